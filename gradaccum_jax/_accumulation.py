@@ -1,0 +1,514 @@
+"""Gradient accumulation over windows of micro-batches.
+
+`MultiSteps` is a drop-in replacement for `optax.MultiSteps` with the same
+constructor, state field names, methods, results and dtypes, built so that
+
+* the inner optimizer runs only on the step that emits, inside a 0/1-trip
+  while loop (`_control.run_if`), so a non-emitting micro-step costs about
+  one pass of ``acc += w * g`` and copies no optimizer state;
+* the accumulator reset is a real reset, so a NaN micro-batch spoils only
+  its own window;
+* micro-batches can be weighted (``update(..., weight=n_examples)``), which
+  makes the window's gradient equal to the big-batch gradient when
+  micro-batches hold different numbers of examples;
+* a partial window can be emitted (`flush`) or dropped (`reset`).
+
+How a window's sum is stored is pluggable (`WindowAccumulator`): the default
+keeps it in ``accumulator_dtype``; `gradaccum_jax.ternary_accumulate` keeps
+int8 codes instead, with the same engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gradaccum_jax import _checks
+from gradaccum_jax._control import run_if
+
+# The skip functions are optax's own: same signatures, same skip_state.
+ShouldSkipUpdateFunction = optax.ShouldSkipUpdateFunction
+skip_not_finite = optax.skip_not_finite
+skip_large_updates = optax.skip_large_updates
+
+Schedule = int | Callable[[jax.Array], jax.Array]
+
+
+class WindowAccumulator(NamedTuple):
+    """How one window's weighted gradient sum is stored.
+
+    Attributes:
+      init: ``init(params) -> acc``, the empty window for these params.
+      add: ``add(acc, grads, weight) -> acc``, adds ``weight * grads``;
+        ``weight`` is a float32 scalar.
+      total: ``total(acc) -> tree``, the window's weighted sum
+        ``sum_i w_i g_i`` as floating arrays shaped like the params.
+      reset: ``reset(acc) -> acc``, the empty window again (an accumulator
+        may carry things across windows, such as a PRNG key).
+    """
+
+    init: Callable[[Any], Any]
+    add: Callable[[Any, Any, jax.Array], Any]
+    total: Callable[[Any], Any]
+    reset: Callable[[Any], Any]
+
+
+def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
+    """The window sum kept as one floating array per parameter.
+
+    Args:
+      dtype: floating dtype of the sum (``accumulator_dtype``).
+
+    Returns:
+      A `WindowAccumulator` whose state is a tree shaped like the params.
+    """
+    dtype = _checks.float_dtype("accumulator_dtype", dtype)
+
+    def init(params):
+        return optax.tree.zeros_like(params, dtype=dtype)
+
+    def add(acc, grads, weight):
+        _checks.same_structure(
+            grads, acc, "gradients", "the accumulator (built from the params at init)"
+        )
+        weight = weight.astype(dtype)
+        return jax.tree.map(lambda a, g: a + weight * g.astype(dtype), acc, grads)
+
+    def total(acc):
+        return acc
+
+    def reset(acc):
+        # A fresh zero, not `0 * acc`: 0 * NaN is NaN, and a NaN micro-batch
+        # must not leak into the next window.
+        return jax.tree.map(jnp.zeros_like, acc)
+
+    return WindowAccumulator(init, add, total, reset)
+
+
+class MultiStepsState(NamedTuple):
+    """State of `MultiSteps` (the first five fields are optax's).
+
+    Attributes:
+      mini_step: micro-batches accepted in the current window.
+      gradient_step: updates emitted so far.
+      inner_opt_state: the wrapped optimizer's state.
+      acc_grads: the window's accumulated (weighted) gradient sum, in the
+        layout of the `WindowAccumulator` (a tree like the params by default).
+      skip_state: what ``should_skip_update_fn`` returned last.
+      acc_weight: the window's total weight, float32.
+      micro_steps: micro-batches accepted since init.
+      emitted: whether the last call emitted an update.
+    """
+
+    mini_step: Any
+    gradient_step: Any
+    inner_opt_state: Any
+    acc_grads: Any
+    skip_state: Any = ()
+    acc_weight: Any = np.zeros((), np.float32)
+    micro_steps: Any = np.zeros((), np.int32)
+    emitted: Any = np.zeros((), np.bool_)
+
+
+class AccumulationStats(NamedTuple):
+    """Progress of an accumulation, as returned by `MultiSteps.stats`.
+
+    Attributes:
+      micro_steps: micro-batches accepted since init.
+      gradient_steps: updates emitted since init.
+      window_fill: micro-batches in the current, unfinished window.
+      window_size: micro-batches per window at the current gradient step.
+      window_weight: total weight of the current window.
+    """
+
+    micro_steps: jax.Array
+    gradient_steps: jax.Array
+    window_fill: jax.Array
+    window_size: jax.Array
+    window_weight: jax.Array
+
+
+class MultiSteps:
+    """Accumulates gradients over k micro-batches, then runs the optimizer once.
+
+    A drop-in replacement for `optax.MultiSteps`: same arguments, state field
+    names, methods and results. Each call to `update` adds one micro-batch's
+    gradient to the window; the call that completes the window passes the
+    window's mean (or sum) to the inner optimizer and returns its updates,
+    every other call returns zeros in the dtype the inner optimizer returns.
+
+    Differences from optax, all of them additions:
+
+    * the inner optimizer runs only on the emitting call, so a micro-step
+      costs one pass over the gradients instead of a full optimizer update;
+    * ``update(..., weight=w)`` weighs micro-batches: the emitted gradient is
+      ``sum(w_i g_i) / sum(w_i)``, the big-batch gradient when micro-batch i
+      holds w_i examples; a window of zero total weight emits zeros. At the
+      emitting call the window's total weight is passed to the inner
+      optimizer as the extra argument ``weight``, so an
+      `average_across_devices` in the inner chain weighs devices by what
+      they saw;
+    * a non-finite micro-batch (without a skip function) makes its own
+      window's update non-finite and no other: the accumulator is really
+      reset, not multiplied by zero;
+    * `has_updated` is exact, also after a skipped micro-batch;
+    * `flush`, `reset` and `stats` handle partial windows.
+
+    Example:
+      >>> opt = MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+      >>> state = opt.init(params)
+      >>> updates, state = opt.update(grads, state, params, weight=n_examples)
+      >>> params = optax.apply_updates(params, updates)
+    """
+
+    def __init__(
+        self,
+        opt: optax.GradientTransformation,
+        every_k_schedule: Schedule,
+        use_grad_mean: bool = True,
+        should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
+        accumulator_dtype: Any = jnp.float32,
+        *,
+        window_accumulator: WindowAccumulator | None = None,
+    ):
+        """Builds the wrapper.
+
+        Args:
+          opt: the wrapped optimizer.
+          every_k_schedule: micro-batches per update, as an int >= 1 or a
+            function of the gradient step returning one (a batch-size
+            schedule).
+          use_grad_mean: emit the (weighted) mean of the window's gradients
+            if True, their (weighted) sum otherwise.
+          should_skip_update_fn: optional ``fn(grads, gradient_step, params)
+            -> (skip, skip_state)``, e.g. `skip_not_finite`; a skipped
+            micro-batch leaves the state as if it never happened, except
+            ``skip_state``.
+          accumulator_dtype: floating dtype of the window sum.
+          window_accumulator: how the window sum is stored; overrides
+            ``accumulator_dtype`` (see `WindowAccumulator`).
+        """
+        if isinstance(every_k_schedule, int | np.integer) and not isinstance(
+            every_k_schedule, bool
+        ):
+            every_k = _checks.positive_int("every_k_schedule", every_k_schedule)
+            self._every_k_schedule = lambda step: every_k
+        elif callable(every_k_schedule):
+            self._every_k_schedule = every_k_schedule
+        else:
+            raise ValueError(
+                "`every_k_schedule` must be an integer >= 1 or a function of "
+                f"the gradient step returning one, got {every_k_schedule!r}."
+            )
+        self._opt = optax.with_extra_args_support(opt)
+        self._use_grad_mean = bool(use_grad_mean)
+        self._should_skip_update_fn = should_skip_update_fn
+        if window_accumulator is None:
+            window_accumulator = float_accumulator(accumulator_dtype)
+        self._accumulator = window_accumulator
+
+    @property
+    def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+        """The wrapped optimizer (with extra-argument support)."""
+        return self._opt
+
+    def init(self, params: optax.Params) -> MultiStepsState:
+        """Returns the state of an empty first window."""
+        gradient_step = jnp.zeros([], jnp.int32)
+        skip_state = ()
+        if self._should_skip_update_fn is not None:
+            _, skip_state = self._should_skip_update_fn(
+                optax.tree.zeros_like(params), gradient_step, params
+            )
+        return MultiStepsState(
+            mini_step=jnp.zeros([], jnp.int32),
+            gradient_step=gradient_step,
+            inner_opt_state=self._opt.init(params),
+            acc_grads=self._accumulator.init(params),
+            skip_state=skip_state,
+            acc_weight=jnp.zeros([], jnp.float32),
+            micro_steps=jnp.zeros([], jnp.int32),
+            emitted=jnp.zeros([], jnp.bool_),
+        )
+
+    def update(
+        self,
+        updates: optax.Updates,
+        state: MultiStepsState,
+        params: optax.Params | None = None,
+        *,
+        weight: jax.typing.ArrayLike | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, MultiStepsState]:
+        """Adds one micro-batch; emits the inner optimizer's update when due.
+
+        Args:
+          updates: this micro-batch's gradients.
+          state: the current state.
+          params: the current params, passed on to the inner optimizer.
+          weight: optional scalar weight of this micro-batch, e.g. its
+            number of examples or valid tokens (default 1).
+          **extra_args: passed on to the inner optimizer at the emitting call
+            (e.g. ``value`` for `optax.polyak_sgd`, ``value``, ``grad``,
+            ``value_fn`` for `optax.lbfgs`).
+
+        Returns:
+          ``(updates, state)``: the inner optimizer's updates on the emitting
+          call, zeros of the same dtypes otherwise.
+        """
+        _checks.floating_leaves(updates, "gradients")
+        if params is not None:
+            _checks.same_structure(updates, params, "gradients", "params")
+        weight = _micro_batch_weight(weight)
+
+        if self._should_skip_update_fn is None:
+            accept = jnp.asarray(True)
+            skip_state = state.skip_state
+            acc = self._accumulator.add(state.acc_grads, updates, weight)
+        else:
+            skip, skip_state = self._should_skip_update_fn(
+                updates, state.gradient_step, params
+            )
+            skip = jnp.asarray(skip)
+            if (skip.dtype, skip.shape) != (jnp.bool_, ()):
+                raise ValueError(
+                    "`should_skip_update_fn` must return a boolean scalar array "
+                    f"first, got dtype {skip.dtype} and shape {skip.shape}."
+                )
+            accept = jnp.logical_not(skip)
+            weight = jnp.where(accept, weight, 0.0)
+            # A select, not a multiply: the skipped gradient may be NaN.
+            acc = jax.tree.map(
+                lambda new, old: jnp.where(accept, new, old),
+                self._accumulator.add(state.acc_grads, updates, weight),
+                state.acc_grads,
+            )
+
+        mini_step = state.mini_step + accept.astype(jnp.int32)
+        # `>=` rather than `==`: a schedule may shrink k mid-window.
+        emit = jnp.logical_and(
+            accept, mini_step >= self._every_k_schedule(state.gradient_step)
+        )
+        state = state._replace(
+            mini_step=mini_step,
+            acc_grads=acc,
+            acc_weight=state.acc_weight + weight,
+            skip_state=skip_state,
+            micro_steps=jnp.where(
+                accept, optax.safe_increment(state.micro_steps), state.micro_steps
+            ),
+        )
+        return self._emit_if(emit, state, updates, params, extra_args, scratch=updates)
+
+    def flush(
+        self,
+        state: MultiStepsState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, MultiStepsState]:
+        """Emits the partial window now, e.g. at the end of an epoch.
+
+        The emitted gradient is the (weighted) mean of the micro-batches the
+        window actually holds. An empty window emits zeros and leaves the
+        inner optimizer untouched.
+
+        Args:
+          state: the current state.
+          params: the current params. The window's gradient is cast to their
+            dtypes; without params it stays in the accumulator's dtype.
+          **extra_args: passed on to the inner optimizer.
+
+        Returns:
+          ``(updates, state)`` with a fresh window in ``state``.
+        """
+        grads_like = self._accumulator.total(state.acc_grads)
+        if params is not None:
+            grads_like = optax.tree.cast_like(grads_like, params)
+        return self._emit_if(state.mini_step > 0, state, grads_like, params, extra_args)
+
+    def reset(self, state: MultiStepsState) -> MultiStepsState:
+        """Drops the partial window; the inner optimizer state is kept."""
+        return state._replace(
+            mini_step=jnp.zeros_like(state.mini_step),
+            acc_grads=self._accumulator.reset(state.acc_grads),
+            acc_weight=jnp.zeros_like(state.acc_weight),
+            emitted=jnp.zeros_like(state.emitted),
+        )
+
+    def stats(self, state: MultiStepsState) -> AccumulationStats:
+        """Returns micro-batches seen, updates emitted and the window's fill."""
+        return AccumulationStats(
+            micro_steps=state.micro_steps,
+            gradient_steps=state.gradient_step,
+            window_fill=state.mini_step,
+            window_size=jnp.asarray(
+                self._every_k_schedule(state.gradient_step), jnp.int32
+            ),
+            window_weight=state.acc_weight,
+        )
+
+    def has_updated(self, state: MultiStepsState | optax.OptState) -> jax.Array:
+        """Whether the call that produced ``state`` emitted an update."""
+        emitted = getattr(state, "emitted", None)
+        if emitted is not None:
+            return jnp.asarray(emitted)
+        # A foreign state (e.g. optax's own): optax's approximation.
+        return jnp.logical_and(
+            state.mini_step == 0, state.gradient_step > 0
+        )
+
+    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        """Returns ``(init, update)`` for use in `optax.chain` and friends."""
+        return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+    def _emit_if(self, emit, state, grads_like, params, extra_args, scratch=None):
+        """Runs the inner optimizer on the window's gradient iff ``emit``.
+
+        ``scratch``, when given, is a dead tree (the micro-batch's gradients,
+        already added to the window) whose buffers may hold the updates.
+        """
+
+        def inner_update(acc, acc_weight, inner_state):
+            grads = self._window_gradient(acc, acc_weight, grads_like)
+            return self._opt.update(
+                grads, inner_state, params, weight=acc_weight, **extra_args
+            )
+
+        inner_updates_shape, _ = jax.eval_shape(
+            inner_update, state.acc_grads, state.acc_weight, state.inner_opt_state
+        )
+
+        def emit_window(carry):
+            _, inner_state, acc, acc_weight = carry
+            new_updates, new_inner_state = inner_update(acc, acc_weight, inner_state)
+            # The loop carry must keep its dtypes; optax.MultiSteps casts the
+            # same way (some optimizers promote their state on update).
+            new_inner_state = jax.tree.map(
+                lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
+                new_inner_state,
+                inner_state,
+            )
+            return (
+                new_updates,
+                new_inner_state,
+                self._accumulator.reset(acc),
+                jnp.zeros_like(acc_weight),
+            )
+
+        new_updates, inner_state, acc, acc_weight = run_if(
+            emit,
+            emit_window,
+            (
+                _scratch_like(inner_updates_shape, scratch),
+                state.inner_opt_state,
+                state.acc_grads,
+                state.acc_weight,
+            ),
+        )
+        # Selecting here rather than starting the loop from zeros lets XLA
+        # fuse the zeros into the caller's `apply_updates`: a non-emitting
+        # step then allocates no parameter-sized buffer.
+        new_updates = jax.tree.map(
+            lambda u: jnp.where(emit, u, jnp.zeros((), u.dtype)), new_updates
+        )
+        new_state = state._replace(
+            mini_step=jnp.where(emit, 0, state.mini_step),
+            gradient_step=jnp.where(
+                emit, optax.safe_increment(state.gradient_step), state.gradient_step
+            ),
+            inner_opt_state=inner_state,
+            acc_grads=acc,
+            acc_weight=acc_weight,
+            emitted=emit,
+        )
+        return new_updates, new_state
+
+    def _window_gradient(self, acc, acc_weight, grads_like):
+        """The window's weighted mean (or sum), in the gradients' dtypes."""
+        total = self._accumulator.total(acc)
+        if self._use_grad_mean:
+            # A window of zero total weight emits zeros rather than 0/0.
+            has_weight = acc_weight > 0
+            inverse = jnp.where(has_weight, 1.0, 0.0) / jnp.where(
+                has_weight, acc_weight, 1.0
+            )
+            total = jax.tree.map(lambda t: t * inverse.astype(t.dtype), total)
+        return optax.tree.cast_like(total, grads_like)
+
+
+def _scratch_like(shapes: Any, scratch: Any) -> Any:
+    """A tree with the shapes and dtypes of ``shapes``, reusing ``scratch``.
+
+    The initial value of the while loop's updates slot is never read (the
+    loop either overwrites it or the result is masked to zero), so any buffer
+    of the right shape and dtype will do. Starting from the gradients, which
+    are dead once added to the window, lets XLA update them in place instead
+    of allocating (and page-faulting in) a fresh parameter-sized buffer.
+    """
+    if scratch is None or jax.tree.structure(scratch) != jax.tree.structure(shapes):
+        return optax.tree.zeros_like(shapes)
+    return jax.tree.map(
+        lambda s, x: (
+            x
+            if (x.shape, x.dtype) == (s.shape, s.dtype)
+            else jnp.zeros(s.shape, s.dtype)
+        ),
+        shapes,
+        scratch,
+    )
+
+
+def _micro_batch_weight(weight: jax.typing.ArrayLike | None) -> jax.Array:
+    """Returns a micro-batch weight as a float32 scalar (1 when not given)."""
+    if weight is None:
+        return jnp.ones([], jnp.float32)
+    weight = jnp.asarray(weight)
+    if weight.shape != ():
+        raise ValueError(
+            "`weight` must be a scalar (e.g. the micro-batch's number of "
+            f"examples), got an array of shape {weight.shape}."
+        )
+    if not jnp.issubdtype(weight.dtype, jnp.number) or jnp.issubdtype(
+        weight.dtype, jnp.complexfloating
+    ):
+        raise ValueError(f"`weight` must be a real number, got dtype {weight.dtype}.")
+    return weight.astype(jnp.float32)
+
+
+def accumulate(
+    opt: optax.GradientTransformation,
+    every_k: Schedule,
+    *,
+    average: bool = True,
+    accumulator_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Accumulation as a transformation, for use inside `optax.chain`.
+
+    ``chain(clip_by_global_norm(c), accumulate(optax.adam(lr), k))`` clips
+    each micro-batch and then accumulates; the machinery and guarantees are
+    those of `MultiSteps`.
+
+    Args:
+      opt: the optimizer run on each window's gradient.
+      every_k: micro-batches per update (int >= 1 or a schedule).
+      average: emit the (weighted) mean if True, the sum otherwise.
+      accumulator_dtype: floating dtype of the window sum.
+      skip_nonfinite: drop micro-batches whose gradients hold NaN or Inf
+        (`skip_not_finite`).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` accepting ``weight=``.
+    """
+    return MultiSteps(
+        opt,
+        every_k,
+        use_grad_mean=average,
+        should_skip_update_fn=skip_not_finite if skip_nonfinite else None,
+        accumulator_dtype=accumulator_dtype,
+    ).gradient_transformation()

@@ -1,0 +1,143 @@
+"""Argument and input validation shared by every transformation.
+
+Configuration errors are raised at construction as ``ValueError`` naming the
+argument and the accepted range. Input errors are raised at trace time and
+name the offending pytree leaf by its path (``jax.tree_util.keystr``), so a
+user never has to decode a shape error from deep inside XLA.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def positive_int(name: str, value: Any) -> int:
+    """Returns ``value`` as an int, or raises if it is not an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"`{name}` must be an integer >= 1, got {value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1, got {value}.")
+    return int(value)
+
+
+def positive_finite(name: str, value: Any) -> float:
+    """Returns ``value`` as a float, or raises if it is not finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if isinstance(value, jax.Array | np.ndarray) and np.ndim(value) == 0:
+            value = float(value)
+        else:
+            raise ValueError(
+                f"`{name}` must be a positive finite number, got {value!r} "
+                f"of type {type(value).__name__}."
+            )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive finite number, got {value}.")
+    return float(value)
+
+
+def nonnegative_int(name: str, value: Any) -> int:
+    """Returns ``value`` as an int, or raises if it is not an integer >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"`{name}` must be an integer >= 0, got {value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if value < 0:
+        raise ValueError(f"`{name}` must be an integer >= 0, got {value}.")
+    return int(value)
+
+
+def float_dtype(name: str, dtype: Any) -> jnp.dtype:
+    """Returns the canonical floating dtype, or raises for anything else."""
+    try:
+        canonical = jnp.dtype(dtype)
+    except TypeError as error:
+        raise ValueError(
+            f"`{name}` must be a floating dtype such as jnp.float32, got {dtype!r}."
+        ) from error
+    if not jnp.issubdtype(canonical, jnp.floating):
+        raise ValueError(
+            f"`{name}` must be a floating dtype such as jnp.float32, "
+            f"got {canonical.name}."
+        )
+    return jax.dtypes.canonicalize_dtype(canonical)
+
+
+def axis_name(name: str, value: Any) -> Any:
+    """Returns a mapped-axis name, or raises if it cannot name an axis."""
+    if isinstance(value, str) and value:
+        return value
+    if (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(v, str) and v for v in value)
+    ):
+        return value
+    raise ValueError(
+        f"`{name}` must be a non-empty string naming a pmap/shard_map axis "
+        f"(or a tuple of such names), got {value!r}."
+    )
+
+
+def bound_axis_size(axis: Any, caller: str) -> int:
+    """Returns the size of a mapped axis, or explains how to bind it."""
+    try:
+        return jax.lax.axis_size(axis)
+    except NameError as error:
+        raise NameError(
+            f"{caller}: axis name {axis!r} is not bound. Call it inside "
+            f"`jax.pmap(..., axis_name={axis!r})` or "
+            f"`jax.shard_map(..., mesh=Mesh(..., axis_names=({axis!r},)))`; "
+            "under plain `jax.jit` with sharded arrays the mean over devices "
+            "is already implicit and no averaging transformation is needed."
+        ) from error
+
+
+def same_structure(tree: Any, reference: Any, what: str, reference_name: str) -> None:
+    """Raises if ``tree`` and ``reference`` differ in structure or leaf shapes.
+
+    The message names the first leaf whose path or shape differs.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    ref_leaves = jax.tree_util.tree_flatten_with_path(reference)[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in leaves]
+    ref_paths = [jax.tree_util.keystr(p) for p, _ in ref_leaves]
+    if paths != ref_paths:
+        missing = sorted(set(ref_paths) - set(paths))
+        extra = sorted(set(paths) - set(ref_paths))
+        raise ValueError(
+            f"{what} do not have the structure of {reference_name}: "
+            f"missing leaves {missing or 'none'}, unexpected leaves "
+            f"{extra or 'none'}. Expected structure "
+            f"{jax.tree.structure(reference)}, got {jax.tree.structure(tree)}."
+        )
+    for (path, leaf), (_, ref_leaf) in zip(leaves, ref_leaves, strict=True):
+        if np.shape(leaf) != np.shape(ref_leaf):
+            raise ValueError(
+                f"{what} leaf {jax.tree_util.keystr(path)} has shape "
+                f"{np.shape(leaf)}, but {reference_name} has shape "
+                f"{np.shape(ref_leaf)} there."
+            )
+
+
+def floating_leaves(tree: Any, what: str) -> None:
+    """Raises if any leaf of ``tree`` is not a floating-point array."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(
+                f"{what} leaf {jax.tree_util.keystr(path)} has dtype "
+                f"{dtype.name}; gradients must be floating point "
+                "(float32, bfloat16, float16, ...). Integer parameters have no "
+                "gradient: mask them out of the optimizer (optax.masked) or "
+                "cast the gradient first."
+            )

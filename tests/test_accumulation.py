@@ -1,0 +1,341 @@
+"""Tests for gradaccum_jax._accumulation: MultiSteps and accumulate.
+
+optax's own MultiSteps tests run against ours in test_optax_compat.py; this
+file pins what ours does beyond them.
+"""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradaccum_jax
+from gradaccum_jax import MultiSteps, accumulate
+
+jit_or_not = pytest.mark.parametrize(
+    "wrap", [lambda f: f, jax.jit], ids=["eager", "jit"]
+)
+
+
+def scalar_grads(*values):
+    return [{"a": jnp.asarray(v, jnp.float32)} for v in values]
+
+
+def run(tx, grads_seq, params=None, weights=None, wrap=jax.jit, **extra):
+    """Feeds a sequence of gradients; returns (list of updates, final state)."""
+    params = (
+        params if params is not None else jax.tree.map(jnp.zeros_like, grads_seq[0])
+    )
+    state = tx.init(params)
+    update = wrap(tx.update)
+    outputs = []
+    for i, grads in enumerate(grads_seq):
+        kwargs = dict(extra)
+        if weights is not None:
+            kwargs["weight"] = weights[i]
+        updates, state = update(grads, state, params, **kwargs)
+        outputs.append(updates)
+    return outputs, state
+
+
+def counting_transformation(counter):
+    """Identity whose update reports each execution through a host callback."""
+
+    def update_fn(updates, state, params=None):
+        jax.debug.callback(lambda: counter.append(1))
+        return updates, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def weight_echo():
+    """Returns the `weight` extra argument it receives, shaped like the updates."""
+
+    def update_fn(updates, state, params=None, *, weight=None, **extra_args):
+        return jax.tree.map(lambda u: jnp.full_like(u, weight), updates), state
+
+    return optax.GradientTransformationExtraArgs(
+        lambda params: optax.EmptyState(), update_fn
+    )
+
+
+@jit_or_not
+def test_emits_mean_every_k_and_zeros_otherwise(wrap):
+    opt = MultiSteps(optax.sgd(1.0), 3)
+    outputs, state = run(opt, scalar_grads(1, 2, 6, 10, 20, 30), wrap=wrap)
+    np.testing.assert_array_equal(
+        [float(u["a"]) for u in outputs], [0, 0, -3, 0, 0, -20]
+    )
+    assert int(state.gradient_step) == 2
+    assert int(state.mini_step) == 0
+    assert bool(opt.has_updated(state))
+
+
+def test_sum_instead_of_mean():
+    opt = MultiSteps(optax.scale(1.0), 2, use_grad_mean=False)
+    outputs, _ = run(opt, scalar_grads(1.5, 2.25))
+    assert float(outputs[1]["a"]) == 3.75
+
+
+def test_inner_optimizer_runs_only_on_emitting_steps():
+    counter = []
+    opt = MultiSteps(optax.chain(counting_transformation(counter), optax.sgd(0.1)), 4)
+    run(opt, scalar_grads(*range(12)))
+    jax.effects_barrier()
+    assert len(counter) == 3  # optax.MultiSteps runs it 12 times
+
+
+def test_inner_optimizer_state_only_advances_at_emission():
+    opt = MultiSteps(optax.adam(0.1), 4)
+    _, state = run(opt, scalar_grads(1, 2, 3))
+    assert int(state.inner_opt_state[0].count) == 0
+    _, state = run(opt, scalar_grads(1, 2, 3, 4, 5))
+    assert int(state.inner_opt_state[0].count) == 1
+
+
+def test_nan_micro_batch_spoils_only_its_own_window():
+    grads = scalar_grads(1, float("nan"), 3, 4, 5, 6)
+    ours, _ = run(MultiSteps(optax.sgd(1.0), 2), grads)
+    theirs, _ = run(optax.MultiSteps(optax.sgd(1.0), 2), grads)
+    ours = [float(u["a"]) for u in ours]
+    assert np.isnan(ours[1])
+    np.testing.assert_array_equal(ours[2:], [0.0, -3.5, 0.0, -5.5])
+    # optax resets the accumulator by multiplying with 0; 0 * NaN stays NaN.
+    assert np.isnan(float(theirs[3]["a"])) and np.isnan(float(theirs[5]["a"]))
+
+
+def test_has_updated_is_exact_after_a_skipped_step():
+    opt = MultiSteps(
+        optax.sgd(1.0), 2, should_skip_update_fn=gradaccum_jax.skip_not_finite
+    )
+    reference = optax.MultiSteps(
+        optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+    )
+    grads = scalar_grads(1, 2, float("inf"))
+    _, state = run(opt, grads)
+    _, ref_state = run(reference, grads)
+    assert not bool(opt.has_updated(state))
+    assert bool(reference.has_updated(ref_state))  # optax's stays True
+    assert int(state.skip_state["num_not_finite"]) == 1
+
+
+def test_skipped_micro_batch_leaves_window_untouched():
+    opt = MultiSteps(
+        optax.sgd(1.0), 2, should_skip_update_fn=gradaccum_jax.skip_not_finite
+    )
+    outputs, state = run(opt, scalar_grads(1, float("nan"), 5))
+    assert [float(u["a"]) for u in outputs] == [0.0, 0.0, -3.0]
+    assert int(state.micro_steps) == 2
+    assert int(state.gradient_step) == 1
+
+
+@jit_or_not
+def test_weighted_window_equals_big_batch_gradient(wrap):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10, 3)).astype(np.float32)
+    y = rng.normal(size=(10,)).astype(np.float32)
+    params = {"w": jnp.asarray(rng.normal(size=(3,)), jnp.float32), "b": jnp.zeros(())}
+
+    def loss(params, x, y):
+        return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+    sizes = [1, 4, 2, 3]
+    bounds = np.cumsum([0, *sizes])
+    micro_grads = [
+        jax.grad(loss)(params, x[lo:hi], y[lo:hi])
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    outputs, _ = run(
+        MultiSteps(optax.identity(), 4), micro_grads, params, weights=sizes, wrap=wrap
+    )
+    chex.assert_trees_all_close(outputs[-1], jax.grad(loss)(params, x, y), rtol=1e-6)
+
+
+def test_zero_total_weight_emits_zeros():
+    outputs, _ = run(
+        MultiSteps(optax.identity(), 2), scalar_grads(3, 4), weights=[0, 0]
+    )
+    assert float(outputs[1]["a"]) == 0.0
+
+
+def test_window_weight_is_passed_to_inner_transformation():
+    outputs, _ = run(
+        MultiSteps(weight_echo(), 3), scalar_grads(1, 1, 1), weights=[2, 3, 5]
+    )
+    assert float(outputs[2]["a"]) == 10.0
+    outputs, _ = run(MultiSteps(weight_echo(), 3), scalar_grads(1, 1, 1))
+    assert float(outputs[2]["a"]) == 3.0
+
+
+def test_flush_emits_partial_window_mean():
+    opt = MultiSteps(optax.sgd(1.0), 4)
+    params = {"a": jnp.zeros([], jnp.bfloat16)}
+    _, state = run(opt, scalar_grads(2, 4), params, weights=[1, 3])
+    updates, state = jax.jit(opt.flush)(state, params)
+    assert updates["a"].dtype == jnp.bfloat16
+    assert float(updates["a"]) == -3.5
+    assert bool(opt.has_updated(state))
+    assert opt.stats(state).window_fill == 0
+    assert int(state.gradient_step) == 1
+    # An empty window emits zeros and leaves the inner optimizer alone.
+    updates, state = opt.flush(state, params)
+    assert float(updates["a"]) == 0.0
+    assert int(state.gradient_step) == 1
+    assert not bool(opt.has_updated(state))
+
+
+def test_reset_drops_the_partial_window():
+    opt = MultiSteps(optax.sgd(1.0), 2)
+    _, state = run(opt, scalar_grads(100))
+    state = opt.reset(state)
+    updates, state = opt.update({"a": jnp.asarray(1.0)}, state)
+    assert float(updates["a"]) == 0.0
+    updates, state = opt.update({"a": jnp.asarray(3.0)}, state)
+    assert float(updates["a"]) == -2.0
+
+
+def test_stats():
+    opt = MultiSteps(optax.sgd(1.0), lambda step: jnp.where(step < 1, 2, 3))
+    _, state = run(opt, scalar_grads(1, 1, 1), weights=[1, 1, 0.5])
+    stats = opt.stats(state)
+    assert stats == gradaccum_jax.AccumulationStats(
+        micro_steps=3, gradient_steps=1, window_fill=1, window_size=3, window_weight=0.5
+    )
+    assert {v.dtype for v in stats} == {jnp.dtype(jnp.int32), jnp.dtype(jnp.float32)}
+
+
+def test_counters_saturate_instead_of_overflowing():
+    opt = MultiSteps(optax.sgd(1.0), 1)
+    state = opt.init({"a": jnp.zeros([])})
+    top = jnp.iinfo(jnp.int32).max
+    state = state._replace(micro_steps=jnp.int32(top), gradient_step=jnp.int32(top))
+    _, state = opt.update({"a": jnp.ones([])}, state)
+    assert int(state.micro_steps) == top and int(state.gradient_step) == top
+
+
+def test_accumulate_in_chain_with_clipping_per_micro_batch():
+    tx = optax.chain(optax.clip(1.0), accumulate(optax.sgd(1.0), 2))
+    outputs, _ = run(tx, scalar_grads(5, -0.5))
+    assert float(outputs[1]["a"]) == pytest.approx(-0.25)
+    tx = accumulate(optax.sgd(1.0), 2, average=False, skip_nonfinite=True)
+    outputs, _ = run(tx, scalar_grads(5, float("nan"), -0.5))
+    assert float(outputs[2]["a"]) == pytest.approx(-4.5)
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_update_dtypes_match_the_unwrapped_optimizer(grad_dtype, param_dtype):
+    inner = optax.adam(1e-2)
+    params = {"w": jnp.ones((3,), param_dtype)}
+    grads = {"w": jnp.full((3,), 0.5, grad_dtype)}
+    expected, _ = inner.update(grads, inner.init(params), params)
+    opt = MultiSteps(inner, 2)
+    state = opt.init(params)
+    for _ in range(2):
+        updates, state = jax.jit(opt.update)(grads, state, params)
+        assert updates["w"].dtype == expected["w"].dtype
+        assert optax.apply_updates(params, updates)["w"].dtype == param_dtype
+    assert state.acc_grads["w"].dtype == jnp.float32
+
+
+def test_accumulator_dtype_and_state_dtypes_are_stable_under_scan():
+    opt = MultiSteps(optax.adam(1e-2), 3, accumulator_dtype=jnp.bfloat16)
+    params = {"w": jnp.zeros((2,), jnp.float32)}
+
+    def step(state, grads):
+        updates, state = opt.update(grads, state, params, weight=2)
+        return state, updates
+
+    state, updates = jax.lax.scan(step, opt.init(params), {"w": jnp.ones((7, 2))})
+    assert state.acc_grads["w"].dtype == jnp.bfloat16
+    assert float(state.acc_weight) == 2.0
+    np.testing.assert_allclose(updates["w"][2], [-1e-2, -1e-2], rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_k_schedule": 0}, "`every_k_schedule` must be an integer >= 1, got 0."),
+        (
+            {"every_k_schedule": -3},
+            "`every_k_schedule` must be an integer >= 1, got -3.",
+        ),
+        ({"every_k_schedule": 2.5}, "`every_k_schedule` must be an integer >= 1 or a"),
+        ({"every_k_schedule": True}, "`every_k_schedule` must be an integer >= 1 or a"),
+        (
+            {"every_k_schedule": 2, "accumulator_dtype": jnp.int32},
+            "`accumulator_dtype`",
+        ),
+        ({"every_k_schedule": 2, "accumulator_dtype": "nope"}, "`accumulator_dtype`"),
+    ],
+)
+def test_bad_configuration_fails_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MultiSteps(optax.sgd(1.0), **kwargs)
+
+
+def test_bad_configuration_of_accumulate():
+    with pytest.raises(ValueError, match="`every_k_schedule` must be an integer >= 1"):
+        accumulate(optax.sgd(1.0), 0)
+
+
+def test_gradients_with_another_structure_name_the_leaf():
+    opt = MultiSteps(optax.sgd(1.0), 2)
+    params = {"dense": {"w": jnp.zeros((2, 3)), "b": jnp.zeros((3,))}}
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"missing leaves \[\"\['dense'\]\['b'\]\"\]"):
+        opt.update({"dense": {"w": jnp.zeros((2, 3))}}, state, params)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("gradients leaf ['dense']['w'] has shape (3, 2), but params"),
+    ):
+        opt.update(
+            {"dense": {"w": jnp.zeros((3, 2)), "b": jnp.zeros((3,))}}, state, params
+        )
+    with pytest.raises(
+        ValueError, match=re.escape("gradients leaf ['dense']['b'] has shape")
+    ):
+        opt.update({"dense": {"w": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}}, state)
+
+
+def test_integer_gradients_are_rejected_with_the_leaf_path():
+    opt = MultiSteps(optax.sgd(1.0), 2)
+    state = opt.init({"step": jnp.zeros([])})
+    with pytest.raises(
+        ValueError, match=re.escape("gradients leaf ['step'] has dtype int32")
+    ):
+        opt.update({"step": jnp.zeros([], jnp.int32)}, state)
+
+
+def test_bad_weight_and_skip_function_outputs():
+    opt = MultiSteps(optax.sgd(1.0), 2)
+    state = opt.init({"a": jnp.zeros([])})
+    with pytest.raises(ValueError, match=re.escape("`weight` must be a scalar")):
+        opt.update({"a": jnp.ones([])}, state, weight=jnp.ones((2,)))
+    bad_skip = MultiSteps(
+        optax.sgd(1.0), 2, should_skip_update_fn=lambda u, s, p: (jnp.zeros(()), ())
+    )
+    with pytest.raises(ValueError, match="must return a boolean scalar array"):
+        bad_skip.update({"a": jnp.ones([])}, bad_skip.init({"a": jnp.zeros([])}))
+
+
+def test_custom_window_accumulator_plugs_into_the_engine():
+    half_precision = gradaccum_jax.float_accumulator(jnp.float16)
+    opt = MultiSteps(optax.identity(), 2, window_accumulator=half_precision)
+    outputs, state = run(opt, scalar_grads(1.0, 2.0))
+    assert state.acc_grads["a"].dtype == jnp.float16
+    assert float(outputs[1]["a"]) == 1.5
+
+
+def test_non_emitting_step_compiles_the_optimizer_into_the_loop_only():
+    """The inner update and the emitting work live in the while body."""
+    opt = MultiSteps(optax.adam(1e-3), 4)
+    params = {"w": jnp.zeros((64,))}
+    hlo = jax.jit(opt.update).lower(params, opt.init(params), params).as_text()
+    assert hlo.count("stablehlo.while") == 1
+    assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
+    assert "sqrt" in hlo.split("stablehlo.while")[1]
