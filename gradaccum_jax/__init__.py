@@ -1,0 +1,32 @@
+"""gradaccum_jax: gradient accumulation, averaging, clipping and ternary
+compression as pure optax transformations for JAX.
+
+Every public name is an ``optax.GradientTransformation`` (or a helper around
+one) over pytrees with an immutable NamedTuple state: jit-able, scan-able,
+pmap-able and checkpointable, and chainable with any optax optimizer.
+"""
+
+# --- accumulation (DESIGN.md section 1) ---
+from gradaccum_jax._accumulation import (
+    AccumulationStats,
+    MultiSteps,
+    MultiStepsState,
+    ShouldSkipUpdateFunction,
+    WindowAccumulator,
+    accumulate,
+    float_accumulator,
+    skip_large_updates,
+    skip_not_finite,
+)
+
+# --- clipping (DESIGN.md section 2) ---
+
+# --- averaging across devices (DESIGN.md section 3) ---
+
+# --- ternary compression (DESIGN.md section 4) ---
+
+# --- micro-batching inside one step (DESIGN.md section 5) ---
+
+__version__ = "0.1.0"
+
+__all__ = [name for name in dir() if not name.startswith("_")]
