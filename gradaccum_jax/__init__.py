@@ -20,8 +20,15 @@ from gradaccum_jax._accumulation import (
 )
 
 # --- clipping (DESIGN.md section 2) ---
+from gradaccum_jax._clipping import (
+    ClipByGlobalNormState,
+    clip,
+    clip_by_global_norm,
+    global_norm,
+)
 
 # --- averaging across devices (DESIGN.md section 3) ---
+from gradaccum_jax._averaging import average_across_devices
 
 # --- ternary compression (DESIGN.md section 4) ---
 

@@ -45,7 +45,9 @@ class WindowAccumulator(NamedTuple):
     Attributes:
       init: ``init(params) -> acc``, the empty window for these params.
       add: ``add(acc, grads, weight) -> acc``, adds ``weight * grads``;
-        ``weight`` is a float32 scalar.
+        ``weight`` is a float32 scalar. A zero weight must leave ``acc``
+        unchanged even when ``grads`` holds NaN or Inf: that is how skipped
+        micro-batches are dropped.
       total: ``total(acc) -> tree``, the window's weighted sum
         ``sum_i w_i g_i`` as floating arrays shaped like the params.
       reset: ``reset(acc) -> acc``, the empty window again (an accumulator
@@ -77,7 +79,14 @@ def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
             grads, acc, "gradients", "the accumulator (built from the params at init)"
         )
         weight = weight.astype(dtype)
-        return jax.tree.map(lambda a, g: a + weight * g.astype(dtype), acc, grads)
+        # A select on the weight, not only a multiply by it: a zero-weight
+        # micro-batch (skipped, or all padding with a 0/0 loss) may hold NaNs,
+        # and 0 * NaN is NaN.
+        return jax.tree.map(
+            lambda a, g: jnp.where(weight != 0, a + weight * g.astype(dtype), a),
+            acc,
+            grads,
+        )
 
     def total(acc):
         return acc
@@ -174,6 +183,7 @@ class MultiSteps:
         should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: Any = jnp.float32,
         *,
+        count_skipped: bool = False,
         window_accumulator: WindowAccumulator | None = None,
     ):
         """Builds the wrapper.
@@ -190,6 +200,13 @@ class MultiSteps:
             micro-batch leaves the state as if it never happened, except
             ``skip_state``.
           accumulator_dtype: floating dtype of the window sum.
+          count_skipped: if False (optax's behaviour), a skipped micro-batch
+            is as if it never happened and the window waits for one more. If
+            True, it takes its place in the window with weight 0, so every
+            window closes after exactly k calls. Use True under pmap or
+            shard_map with a cross-device reduction in ``opt``: devices that
+            skip different micro-batches would otherwise emit at different
+            calls and wait for each other in the reduction forever.
           window_accumulator: how the window sum is stored; overrides
             ``accumulator_dtype`` (see `WindowAccumulator`).
         """
@@ -208,6 +225,7 @@ class MultiSteps:
         self._opt = optax.with_extra_args_support(opt)
         self._use_grad_mean = bool(use_grad_mean)
         self._should_skip_update_fn = should_skip_update_fn
+        self._count_skipped = bool(count_skipped)
         if window_accumulator is None:
             window_accumulator = float_accumulator(accumulator_dtype)
         self._accumulator = window_accumulator
@@ -269,7 +287,6 @@ class MultiSteps:
         if self._should_skip_update_fn is None:
             accept = jnp.asarray(True)
             skip_state = state.skip_state
-            acc = self._accumulator.add(state.acc_grads, updates, weight)
         else:
             skip, skip_state = self._should_skip_update_fn(
                 updates, state.gradient_step, params
@@ -281,18 +298,15 @@ class MultiSteps:
                     f"first, got dtype {skip.dtype} and shape {skip.shape}."
                 )
             accept = jnp.logical_not(skip)
+            # A weight of zero adds nothing, not even the skipped NaNs.
             weight = jnp.where(accept, weight, 0.0)
-            # A select, not a multiply: the skipped gradient may be NaN.
-            acc = jax.tree.map(
-                lambda new, old: jnp.where(accept, new, old),
-                self._accumulator.add(state.acc_grads, updates, weight),
-                state.acc_grads,
-            )
 
-        mini_step = state.mini_step + accept.astype(jnp.int32)
+        acc = self._accumulator.add(state.acc_grads, updates, weight)
+        fills_window = accept if not self._count_skipped else jnp.asarray(True)
+        mini_step = state.mini_step + fills_window.astype(jnp.int32)
         # `>=` rather than `==`: a schedule may shrink k mid-window.
         emit = jnp.logical_and(
-            accept, mini_step >= self._every_k_schedule(state.gradient_step)
+            fills_window, mini_step >= self._every_k_schedule(state.gradient_step)
         )
         state = state._replace(
             mini_step=mini_step,
@@ -358,9 +372,7 @@ class MultiSteps:
         if emitted is not None:
             return jnp.asarray(emitted)
         # A foreign state (e.g. optax's own): optax's approximation.
-        return jnp.logical_and(
-            state.mini_step == 0, state.gradient_step > 0
-        )
+        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """Returns ``(init, update)`` for use in `optax.chain` and friends."""
@@ -369,23 +381,21 @@ class MultiSteps:
     def _emit_if(self, emit, state, grads_like, params, extra_args, scratch=None):
         """Runs the inner optimizer on the window's gradient iff ``emit``.
 
+        On a step that does not emit, the loop does nothing and copies nothing;
+        the updates it leaves are masked to zero after it, where XLA fuses the
+        mask into the caller's `optax.apply_updates`.
+
         ``scratch``, when given, is a dead tree (the micro-batch's gradients,
-        already added to the window) whose buffers may hold the updates.
+        already added to the window) whose buffers may hold the updates: in a
+        train step the gradients are a temporary of the step, so no
+        parameter-sized buffer is allocated for the updates.
         """
 
         def inner_update(acc, acc_weight, inner_state):
             grads = self._window_gradient(acc, acc_weight, grads_like)
-            return self._opt.update(
+            new_updates, new_inner_state = self._opt.update(
                 grads, inner_state, params, weight=acc_weight, **extra_args
             )
-
-        inner_updates_shape, _ = jax.eval_shape(
-            inner_update, state.acc_grads, state.acc_weight, state.inner_opt_state
-        )
-
-        def emit_window(carry):
-            _, inner_state, acc, acc_weight = carry
-            new_updates, new_inner_state = inner_update(acc, acc_weight, inner_state)
             # The loop carry must keep its dtypes; optax.MultiSteps casts the
             # same way (some optimizers promote their state on update).
             new_inner_state = jax.tree.map(
@@ -393,28 +403,38 @@ class MultiSteps:
                 new_inner_state,
                 inner_state,
             )
+            return new_updates, new_inner_state
+
+        updates_shape, _ = jax.eval_shape(
+            inner_update, state.acc_grads, state.acc_weight, state.inner_opt_state
+        )
+
+        # Everything the emitting work reads is threaded through the carry,
+        # the window weight too: XLA hoists loop-invariant code out of while
+        # loops, and a collective on a closed-over value would then run on
+        # every micro-step instead of once per window.
+        def emit_window(carry):
+            _, acc, acc_weight, inner_state = carry
+            new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
             return (
                 new_updates,
-                new_inner_state,
                 self._accumulator.reset(acc),
                 jnp.zeros_like(acc_weight),
+                inner_state,
             )
 
-        new_updates, inner_state, acc, acc_weight = run_if(
+        slot, acc, acc_weight, inner_state = run_if(
             emit,
             emit_window,
             (
-                _scratch_like(inner_updates_shape, scratch),
-                state.inner_opt_state,
+                _scratch_like(updates_shape, scratch),
                 state.acc_grads,
                 state.acc_weight,
+                state.inner_opt_state,
             ),
         )
-        # Selecting here rather than starting the loop from zeros lets XLA
-        # fuse the zeros into the caller's `apply_updates`: a non-emitting
-        # step then allocates no parameter-sized buffer.
         new_updates = jax.tree.map(
-            lambda u: jnp.where(emit, u, jnp.zeros((), u.dtype)), new_updates
+            lambda u: jnp.where(emit, u, jnp.zeros((), u.dtype)), slot
         )
         new_state = state._replace(
             mini_step=jnp.where(emit, 0, state.mini_step),
@@ -499,8 +519,9 @@ def accumulate(
       every_k: micro-batches per update (int >= 1 or a schedule).
       average: emit the (weighted) mean if True, the sum otherwise.
       accumulator_dtype: floating dtype of the window sum.
-      skip_nonfinite: drop micro-batches whose gradients hold NaN or Inf
-        (`skip_not_finite`).
+      skip_nonfinite: give micro-batches whose gradients hold NaN or Inf
+        weight 0 (`skip_not_finite`). They still take their place in the
+        window (``count_skipped=True``), so devices stay in step under pmap.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` accepting ``weight=``.
@@ -511,4 +532,5 @@ def accumulate(
         use_grad_mean=average,
         should_skip_update_fn=skip_not_finite if skip_nonfinite else None,
         accumulator_dtype=accumulator_dtype,
+        count_skipped=True,
     ).gradient_transformation()

@@ -221,9 +221,28 @@ def test_accumulate_in_chain_with_clipping_per_micro_batch():
     tx = optax.chain(optax.clip(1.0), accumulate(optax.sgd(1.0), 2))
     outputs, _ = run(tx, scalar_grads(5, -0.5))
     assert float(outputs[1]["a"]) == pytest.approx(-0.25)
+
+
+def test_accumulate_skip_nonfinite_keeps_windows_of_k_calls():
+    # The NaN micro-batch fills its place with weight 0: windows stay aligned
+    # with the calls, as devices under pmap need.
     tx = accumulate(optax.sgd(1.0), 2, average=False, skip_nonfinite=True)
-    outputs, _ = run(tx, scalar_grads(5, float("nan"), -0.5))
-    assert float(outputs[2]["a"]) == pytest.approx(-4.5)
+    outputs, state = run(tx, scalar_grads(5, float("nan"), -0.5, 1.5))
+    assert [float(u["a"]) for u in outputs] == [0.0, -5.0, 0.0, -1.0]
+    assert int(state.micro_steps) == 3
+    # The mean is over the accepted micro-batches only.
+    tx = accumulate(optax.sgd(1.0), 3, skip_nonfinite=True)
+    outputs, _ = run(tx, scalar_grads(5, float("inf"), 1))
+    assert float(outputs[2]["a"]) == -3.0
+
+
+def test_zero_weight_micro_batch_with_nan_gradients_adds_nothing():
+    outputs, _ = run(
+        MultiSteps(optax.sgd(1.0), 2),
+        scalar_grads(4, float("nan")),
+        weights=[2.0, 0.0],
+    )
+    assert float(outputs[1]["a"]) == -4.0
 
 
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
