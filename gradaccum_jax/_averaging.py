@@ -1,0 +1,124 @@
+"""Averaging updates across the devices of a mapped axis (data parallelism).
+
+Each device computes gradients on its own shard of the batch; the update
+every device applies must be the gradient of the whole batch. When the
+shards hold different numbers of examples (ragged last batch, padding,
+variable token counts) a plain mean over devices is biased towards the
+devices that saw fewer examples; passing ``weight=`` (the number of
+examples or tokens behind this device's update) gives the big-batch mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gradaccum_jax import _checks
+
+
+def _local_share(weight: Any, axis_name: Any) -> jax.Array:
+    """Returns weight / psum(weight) as float32, and 0 where the total is 0."""
+    if np.ndim(weight) != 0:
+        raise ValueError(
+            "average_across_devices: `weight` must be a scalar per device (the "
+            f"number of examples behind this device's update), got shape "
+            f"{np.shape(weight)}. Under shard_map a weight sharded as "
+            "P(axis_name) arrives as a shape-(1,) block: pass `weight[0]`."
+        )
+    weight = jnp.asarray(weight, jnp.float32)
+    total = jax.lax.psum(weight, axis_name)
+    # A zero total (no device saw an example) must give zero updates, not
+    # 0/0 = NaN; the double `where` keeps the untaken branch's NaN out of
+    # gradients taken through this function.
+    safe_total = jnp.where(total > 0, total, 1.0)
+    return jnp.where(total > 0, weight / safe_total, 0.0)
+
+
+def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraArgs:
+    """Averages the updates over the devices of the mapped axis ``axis_name``.
+
+    Without a weight every device gets ``pmean(updates)``. With
+    ``update(..., weight=w)``, where ``w`` is a scalar per device (e.g. the
+    number of examples or valid tokens it saw), every device gets the
+    weighted mean ``psum(w * updates) / psum(w)``: if each device's update is
+    the mean gradient over its own examples, that is the mean gradient over
+    all examples on all devices. Devices with ``w == 0`` contribute nothing
+    (not even a NaN from an empty shard's 0/0 loss), and a total weight of 0
+    gives zero updates, not NaN. Weights must be >= 0.
+
+    Updates keep their dtype and are reduced in it, so the collective moves
+    the bytes of the updates (plus one float32 scalar for the total weight).
+    The weighted path scales each update by ``w / psum(w)`` in float32
+    before the reduction, so a float16 sum cannot overflow from large
+    weights. Other extra arguments are ignored, so it composes
+    with any ``optax.chain``.
+
+    Inside ``MultiSteps`` or ``accumulate`` the reduction runs once per
+    window, at the emitting step, with ``weight=`` the window's total
+    weight, so a device counts by the examples it saw in the whole window.
+
+    Use it inside ``jax.pmap(..., axis_name=axis_name)`` or inside
+    ``jax.shard_map`` over a mesh axis named ``axis_name`` with the batch
+    (and hence the gradients) split over that axis and the parameters
+    replicated. Under ``shard_map`` (with its default ``check_vma=True``)
+    replicated ``P()`` parameters are device-invariant, and ``jax.grad``
+    with respect to them already returns the gradient summed over the axis;
+    averaging that sum again would give ``axis_size`` times the mean.
+    Mark them varying before taking the gradient,
+    ``params = jax.lax.pcast(params, axis_name, to="varying")``, so that
+    each device keeps its own gradient for this transformation to average.
+
+    Under plain ``jax.jit`` with a batch sharded by
+    ``NamedSharding`` the program is written for the whole global batch:
+    the gradient of the mean loss is already the mean over all devices (XLA
+    inserts the all-reduce), so no averaging transformation is needed. For
+    a weighted mean there, compute the loss as the sum of per-example
+    losses divided by the global number of valid examples (or wrap the
+    gradient computation in ``jax.shard_map`` and use this transformation).
+
+    Args:
+      axis_name: The name of the mapped axis to average over (as given to
+        ``pmap`` or to the ``Mesh``), or a tuple of names.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with an empty state whose
+      ``update(updates, state, params=None, *, weight=None, **extra_args)``
+      returns the averaged updates.
+
+    Raises:
+      ValueError: At construction, if ``axis_name`` is not a non-empty string
+        or tuple of strings; at trace time, if ``weight`` is not a scalar.
+      NameError: At trace time, if ``axis_name`` is not bound, i.e. the
+        update does not run inside ``pmap`` / ``shard_map`` over that axis.
+    """
+    axis_name = _checks.axis_name("axis_name", axis_name)
+
+    def update_fn(
+        updates: Any,
+        state: optax.EmptyState,
+        params: Any = None,
+        *,
+        weight: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, optax.EmptyState]:
+        del params, extra_args
+        # Fails with a message that says how to bind the axis, instead of
+        # JAX's bare "unbound axis name" from inside psum.
+        _checks.bound_axis_size(axis_name, "average_across_devices")
+        if weight is None:
+            return jax.lax.pmean(updates, axis_name), state
+        share = _local_share(weight, axis_name)
+
+        def weighted_leaf(leaf: jax.Array) -> jax.Array:
+            # Scale in float32 and round once: a bfloat16 share such as
+            # 37/300 would itself be off by up to 0.2%.
+            wide = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
+            return jnp.where(share > 0, wide * share, 0).astype(leaf.dtype)
+
+        return jax.lax.psum(jax.tree.map(weighted_leaf, updates), axis_name), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
