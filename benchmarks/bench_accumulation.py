@@ -16,7 +16,6 @@ import argparse
 import platform
 import statistics
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,63 +42,54 @@ def train_step_fn(tx):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    # The gradients are donated too: in a real train step they are a temporary
-    # of the step, dead once the optimizer has consumed them.
-    return jax.jit(step, donate_argnums=(0, 1, 2))
+    return jax.jit(step, donate_argnums=(0, 1))
 
 
 def floor_fn():
     def step(acc, grads):
-        return jax.tree.map(lambda a, g: a + g, acc, grads)
+        return (jax.tree.map(lambda a, g: a + g, acc, grads),)
 
     return jax.jit(step, donate_argnums=(0,))
-
-
-def fresh_copy(tree):
-    """A copy made outside the timed region, for an argument that is donated."""
-    return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
 
 
 def temp_bytes(jitted, *args) -> int:
     return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def time_windows(tx, params, grads, k: int, windows: int):
-    """Times each call; returns (non-emitting times, emitting times, window times)."""
-    step = train_step_fn(tx)
-    opt_state = tx.init(params)
-    # Two warm-up windows: compilation, then first-touch page faults.
-    for _ in range(2 * k):
-        params, opt_state = step(params, opt_state, fresh_copy(grads))
-    jax.block_until_ready((params, opt_state))
-    non_emitting, emitting, window_times = [], [], []
-    for _ in range(windows):
-        window = 0.0
-        for micro in range(k):
-            micro_grads = fresh_copy(grads)
-            start = time.perf_counter()
-            params, opt_state = step(params, opt_state, micro_grads)
-            jax.block_until_ready((params, opt_state))
-            elapsed = time.perf_counter() - start
-            window += elapsed
-            (emitting if micro == k - 1 else non_emitting).append(elapsed)
-        window_times.append(window)
-    return non_emitting, emitting, window_times
+class Contender:
+    """One jitted step and its donated buffers, timed call by call."""
 
+    def __init__(self, step, buffers, grads):
+        self.step, self.buffers, self.grads = step, buffers, grads
+        self.times: list[float] = []
 
-def time_floor(params, grads, repeats: int) -> float:
-    step = floor_fn()
-    acc = jax.tree.map(jnp.zeros_like, params)
-    for _ in range(3):
-        acc = step(acc, grads)
-    jax.block_until_ready(acc)
-    times = []
-    for _ in range(repeats):
+    def call(self) -> None:
         start = time.perf_counter()
-        acc = step(acc, grads)
-        jax.block_until_ready(acc)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        self.buffers = jax.block_until_ready(self.step(*self.buffers, self.grads))
+        self.times.append(time.perf_counter() - start)
+
+
+def measure(contenders: dict[str, Contender], k: int, windows: int) -> None:
+    """Runs the contenders window by window, interleaved, so that load from
+    elsewhere on a shared machine falls on all of them alike."""
+    for _ in range(2):  # warm-up windows: compilation and first-touch faults
+        for contender in contenders.values():
+            for _ in range(k):
+                contender.call()
+    for contender in contenders.values():
+        contender.times.clear()
+    for _ in range(windows):
+        for contender in contenders.values():
+            for _ in range(k):
+                contender.call()
+
+
+def summarize(times: list[float], k: int) -> tuple[float, float, float]:
+    """(median non-emitting call, median emitting call, median window)."""
+    micro = [t for i, t in enumerate(times) if i % k != k - 1]
+    emit = [t for i, t in enumerate(times) if i % k == k - 1]
+    window = [sum(times[i : i + k]) for i in range(0, len(times), k)]
+    return statistics.median(micro), statistics.median(emit), statistics.median(window)
 
 
 def main() -> None:
@@ -108,8 +98,6 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--windows", type=int, default=5)
     args = parser.parse_args()
-    # optax.MultiSteps cannot reuse the donated gradients; jax warns about it.
-    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
     params = make_params(args.params)
     grads = make_grads(params)
@@ -122,20 +110,23 @@ def main() -> None:
         ).gradient_transformation(),
     }
 
-    floor = time_floor(params, grads, repeats=args.windows * k)
+    runners = {
+        name: Contender(
+            train_step_fn(tx), (make_params(args.params), tx.init(params)), grads
+        )
+        for name, tx in contenders.items()
+    }
+    runners["floor"] = Contender(floor_fn(), (make_params(args.params),), grads)
+    measure(runners, k, args.windows)
+    rows = {
+        name: (
+            *summarize(runners[name].times, k),
+            temp_bytes(train_step_fn(tx), params, tx.init(params), grads),
+        )
+        for name, tx in contenders.items()
+    }
+    floor = statistics.median(runners["floor"].times)
     floor_temp = temp_bytes(floor_fn(), params, grads)
-    rows = {}
-    for name, tx in contenders.items():
-        temp = temp_bytes(train_step_fn(tx), params, tx.init(params), grads)
-        non_emitting, emitting, windows = time_windows(
-            tx, make_params(args.params), grads, k, args.windows
-        )
-        rows[name] = (
-            statistics.median(non_emitting),
-            statistics.median(emitting),
-            statistics.median(windows),
-            temp,
-        )
 
     ref = rows["optax.MultiSteps"]
     ours = rows["gradaccum_jax.MultiSteps"]

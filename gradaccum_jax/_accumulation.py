@@ -52,6 +52,11 @@ class WindowAccumulator(NamedTuple):
         ``sum_i w_i g_i`` as floating arrays shaped like the params.
       reset: ``reset(acc) -> acc``, the empty window again (an accumulator
         may carry things across windows, such as a PRNG key).
+
+    The engine resets lazily: the first ``add`` of a window sees
+    ``reset(acc)``. When ``acc`` has the tree structure of the updates, its
+    contents between an emission and the next ``add`` are unspecified: the
+    engine computes the emitted updates into those buffers.
     """
 
     init: Callable[[Any], Any]
@@ -301,7 +306,16 @@ class MultiSteps:
             # A weight of zero adds nothing, not even the skipped NaNs.
             weight = jnp.where(accept, weight, 0.0)
 
-        acc = self._accumulator.add(state.acc_grads, updates, weight)
+        # The window is reset lazily, by its first micro-batch: after an
+        # emission the accumulator's buffers may hold the emitted updates
+        # (see `_emit_if`). The select fuses into the accumulation pass.
+        window_is_empty = state.mini_step == 0
+        acc = jax.tree.map(
+            lambda fresh, old: jnp.where(window_is_empty, fresh, old),
+            self._accumulator.reset(state.acc_grads),
+            state.acc_grads,
+        )
+        acc = self._accumulator.add(acc, updates, weight)
         fills_window = accept if not self._count_skipped else jnp.asarray(True)
         mini_step = state.mini_step + fills_window.astype(jnp.int32)
         # `>=` rather than `==`: a schedule may shrink k mid-window.
@@ -409,32 +423,63 @@ class MultiSteps:
             inner_update, state.acc_grads, state.acc_weight, state.inner_opt_state
         )
 
+        # Parameter-sized buffers that hold the updates: the accumulator's own
+        # where it is laid out like the updates (its contents are dead once
+        # the window is emitted, and the next window resets it lazily), else
+        # the dead micro-batch gradients, else fresh zeros. Either way a step
+        # that does not emit allocates and copies nothing.
+        acc_leaves, acc_def = jax.tree.flatten(state.acc_grads)
+        slot_shapes, updates_def = jax.tree.flatten(updates_shape)
+        in_acc = [
+            acc_def == updates_def and _same_layout(acc_leaf, slot_shapes[i])
+            for i, acc_leaf in enumerate(acc_leaves)
+        ]
+        scratch_leaves = _leaves_if_structured_like(scratch, updates_def)
+        slot = [
+            acc_leaves[i]
+            if acc_def == updates_def and in_acc[i]
+            else _reuse_or_zeros(scratch_leaves[i], shape)
+            for i, shape in enumerate(slot_shapes)
+        ]
+        kept_acc = [
+            leaf
+            for leaf, aliased in zip(acc_leaves, in_acc, strict=True)
+            if not aliased
+        ]
+
+        def merge_acc(slot, kept_acc):
+            kept = iter(kept_acc)
+            return acc_def.unflatten(
+                [slot[i] if aliased else next(kept) for i, aliased in enumerate(in_acc)]
+            )
+
         # Everything the emitting work reads is threaded through the carry,
         # the window weight too: XLA hoists loop-invariant code out of while
-        # loops, and a collective on a closed-over value would then run on
-        # every micro-step instead of once per window.
+        # loops, and work on a closed-over value (a collective, a ternary
+        # decode) would then run on every micro-step instead of once per
+        # window.
         def emit_window(carry):
-            _, acc, acc_weight, inner_state = carry
+            slot, kept_acc, acc_weight, inner_state = carry
+            acc = merge_acc(slot, kept_acc)
             new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
+            fresh = jax.tree.leaves(self._accumulator.reset(acc))
             return (
-                new_updates,
-                self._accumulator.reset(acc),
+                jax.tree.leaves(new_updates),
+                [
+                    leaf
+                    for leaf, aliased in zip(fresh, in_acc, strict=True)
+                    if not aliased
+                ],
                 jnp.zeros_like(acc_weight),
                 inner_state,
             )
 
-        slot, acc, acc_weight, inner_state = run_if(
-            emit,
-            emit_window,
-            (
-                _scratch_like(updates_shape, scratch),
-                state.acc_grads,
-                state.acc_weight,
-                state.inner_opt_state,
-            ),
+        slot, kept_acc, acc_weight, inner_state = run_if(
+            emit, emit_window, (slot, kept_acc, state.acc_weight, state.inner_opt_state)
         )
-        new_updates = jax.tree.map(
-            lambda u: jnp.where(emit, u, jnp.zeros((), u.dtype)), slot
+        acc = merge_acc(slot, kept_acc)
+        new_updates = updates_def.unflatten(
+            [jnp.where(emit, u, jnp.zeros((), u.dtype)) for u in slot]
         )
         new_state = state._replace(
             mini_step=jnp.where(emit, 0, state.mini_step),
@@ -461,26 +506,28 @@ class MultiSteps:
         return optax.tree.cast_like(total, grads_like)
 
 
-def _scratch_like(shapes: Any, scratch: Any) -> Any:
-    """A tree with the shapes and dtypes of ``shapes``, reusing ``scratch``.
+def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
+    return (jnp.shape(leaf), jnp.result_type(leaf)) == (shape.shape, shape.dtype)
 
-    The initial value of the while loop's updates slot is never read (the
-    loop either overwrites it or the result is masked to zero), so any buffer
-    of the right shape and dtype will do. Starting from the gradients, which
-    are dead once added to the window, lets XLA update them in place instead
-    of allocating (and page-faulting in) a fresh parameter-sized buffer.
+
+def _leaves_if_structured_like(tree: Any, treedef: Any) -> list[Any]:
+    """The leaves of ``tree`` if it has structure ``treedef``, else Nones."""
+    if tree is not None and jax.tree.structure(tree) == treedef:
+        return jax.tree.leaves(tree)
+    return [None] * treedef.num_leaves
+
+
+def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
+    """``leaf`` if it has the layout of ``shape``, else zeros of that layout.
+
+    The initial value of the loop's updates slot is never read (the loop
+    either overwrites it or the result is masked to zero), so a dead buffer
+    of the right layout serves, and XLA updates it in place instead of
+    allocating (and page-faulting in) a fresh parameter-sized buffer.
     """
-    if scratch is None or jax.tree.structure(scratch) != jax.tree.structure(shapes):
-        return optax.tree.zeros_like(shapes)
-    return jax.tree.map(
-        lambda s, x: (
-            x
-            if (x.shape, x.dtype) == (s.shape, s.dtype)
-            else jnp.zeros(s.shape, s.dtype)
-        ),
-        shapes,
-        scratch,
-    )
+    if leaf is not None and _same_layout(leaf, shape):
+        return leaf
+    return jnp.zeros(shape.shape, shape.dtype)
 
 
 def _micro_batch_weight(weight: jax.typing.ArrayLike | None) -> jax.Array:
