@@ -33,6 +33,7 @@ from gradaccum_jax._averaging import average_across_devices
 # --- ternary compression (DESIGN.md section 4) ---
 
 # --- micro-batching inside one step (DESIGN.md section 5) ---
+from gradaccum_jax._microbatching import microbatched_value_and_grad
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,147 @@
+"""Memory and time of micro-batching inside one jitted step.
+
+Compares ``jax.value_and_grad`` on the full batch with
+``gradaccum_jax.microbatched_value_and_grad`` for several numbers of
+micro-batches, on a wide MLP whose activations (batch x width x depth)
+dominate its parameters (width x width x depth). Reports, side by side and
+from one run:
+
+- the compiled temporary memory (``memory_analysis().temp_size_in_bytes``,
+  i.e. what XLA allocates besides arguments and outputs: activations saved
+  for the backward pass, gradient buffers, the scan's accumulators);
+- the median wall time of one jitted step.
+
+Targets (issue 5): with 8 micro-batches, temp memory <= 0.35x and step time
+<= 1.3x the full batch.
+
+Run: ``python benchmarks/bench_microbatch.py`` (about a minute on 2 CPU
+cores; ``--help`` for sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax import microbatched_value_and_grad
+
+MICROBATCH_COUNTS = (1, 2, 4, 8)
+
+
+def init_mlp(
+    key: jax.Array, in_dim: int, width: int, depth: int, classes: int
+) -> dict[str, Any]:
+    """He-initialised MLP parameters: ``depth`` hidden layers of ``width``."""
+    dims = [in_dim] + [width] * depth + [classes]
+    layers = []
+    for fan_in, fan_out in zip(dims[:-1], dims[1:], strict=True):
+        key, subkey = jax.random.split(key)
+        weight = jax.random.normal(subkey, (fan_in, fan_out)) * (2.0 / fan_in) ** 0.5
+        layers.append({"w": weight, "b": jnp.zeros((fan_out,))})
+    return {"layers": layers}
+
+
+def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean softmax cross-entropy of the MLP over the batch."""
+    hidden = batch["x"]
+    *hidden_layers, last = params["layers"]
+    for layer in hidden_layers:
+        hidden = jax.nn.gelu(hidden @ layer["w"] + layer["b"])
+    logits = hidden @ last["w"] + last["b"]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return jnp.mean(losses)
+
+
+def median_seconds(
+    compiled: list[Callable[..., Any]], *args: Any, repeats: int
+) -> list[float]:
+    """Median wall time of each ``fn(*args)``, after one warm-up call each.
+
+    The variants are timed round-robin, one call each per round, so that
+    load from other processes on a shared machine hits them all alike.
+    """
+    for fn in compiled:
+        jax.block_until_ready(fn(*args))
+    times: list[list[float]] = [[] for _ in compiled]
+    for _ in range(repeats):
+        for fn, fn_times in zip(compiled, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            fn_times.append(time.perf_counter() - start)
+    return [statistics.median(fn_times) for fn_times in times]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--in-dim", type=int, default=64)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--classes", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+
+    key_params, key_x, key_y = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = init_mlp(key_params, args.in_dim, args.width, args.depth, args.classes)
+    batch = {
+        "x": jax.random.normal(key_x, (args.batch, args.in_dim)),
+        "y": jax.random.randint(key_y, (args.batch,), 0, args.classes),
+    }
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    batch_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(batch))
+
+    variants: list[tuple[str, Callable[..., Any]]] = [
+        ("full batch (jax.value_and_grad)", jax.value_and_grad(loss_fn))
+    ]
+    for count in MICROBATCH_COUNTS:
+        variants.append(
+            (f"microbatched, m={count}", microbatched_value_and_grad(loss_fn, count))
+        )
+
+    compiled = [
+        jax.jit(value_and_grad_fn).lower(params, batch).compile()
+        for _, value_and_grad_fn in variants
+    ]
+    seconds = median_seconds(compiled, params, batch, repeats=args.repeats)
+    rows = []
+    for (name, _), fn, fn_seconds in zip(variants, compiled, seconds, strict=True):
+        temp_bytes = fn.memory_analysis().temp_size_in_bytes
+        loss, _ = fn(params, batch)
+        rows.append((name, temp_bytes, fn_seconds, float(loss)))
+
+    full_bytes, full_seconds = rows[0][1], rows[0][2]
+    print(
+        f"MLP {args.in_dim} -> {args.depth} x {args.width} -> {args.classes}, "
+        f"batch {args.batch}; params {param_bytes / 2**20:.1f} MiB, "
+        f"batch {batch_bytes / 2**20:.1f} MiB; backend "
+        f"{jax.default_backend()} ({jax.device_count()} device(s)); "
+        f"median of {args.repeats} steps, timed round-robin.\n"
+    )
+    print("| variant | temp memory (MiB) | vs full | step time (ms) | vs full | loss |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, temp_bytes, seconds, loss in rows:
+        print(
+            f"| {name} | {temp_bytes / 2**20:.1f} | "
+            f"{temp_bytes / full_bytes:.2f}x | {seconds * 1e3:.1f} | "
+            f"{seconds / full_seconds:.2f}x | {loss:.6f} |"
+        )
+    eight_bytes, eight_seconds = rows[-1][1], rows[-1][2]
+    memory_ok = eight_bytes <= 0.35 * full_bytes
+    time_ok = eight_seconds <= 1.3 * full_seconds
+    print(
+        f"\nm=8 targets: temp memory <= 0.35x: "
+        f"{'met' if memory_ok else 'MISSED'} ({eight_bytes / full_bytes:.2f}x); "
+        f"step time <= 1.3x: {'met' if time_ok else 'MISSED'} "
+        f"({eight_seconds / full_seconds:.2f}x)."
+    )
+
+
+if __name__ == "__main__":
+    main()

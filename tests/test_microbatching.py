@@ -1,0 +1,489 @@
+"""Tests for microbatched_value_and_grad (DESIGN.md section 5, issue 5).
+
+Every numerical test compares against ``jax.value_and_grad`` on the full
+batch (or, for keys, against a hand-written loop over the strided
+micro-batches), with and without jit.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax
+from gradaccum_jax import microbatched_value_and_grad
+
+BATCH, IN_DIM, CLASSES = 16, 5, 3
+
+
+# Test data comes from numpy: every eager jax op compiles on first use, and
+# those compilations, not the tests, would dominate the run time.
+def make_params(dtype=jnp.float32):
+    rng = np.random.default_rng(0)
+    return {
+        "w": jnp.asarray(rng.standard_normal((IN_DIM, CLASSES)).astype(dtype)),
+        "b": jnp.asarray(rng.standard_normal((CLASSES,)).astype(dtype)),
+    }
+
+
+def make_batch(batch=BATCH, dtype=jnp.float32):
+    rng = np.random.default_rng(1)
+    return {
+        "x": jnp.asarray(rng.standard_normal((batch, IN_DIM)).astype(dtype)),
+        "y": jnp.asarray(rng.integers(0, CLASSES, (batch,)).astype(np.int32)),
+    }
+
+
+def strided_microbatch(batch, index, num_microbatches):
+    """Micro-batch ``index``: examples index, index + m, index + 2m, ..."""
+    return jax.tree.map(lambda leaf: np.asarray(leaf)[index::num_microbatches], batch)
+
+
+def per_example_loss(params, batch):
+    logits = batch["x"] @ params["w"] + params["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+
+def mean_loss(params, batch):
+    return jnp.mean(per_example_loss(params, batch))
+
+
+def masked_mean_loss(params, batch):
+    # Deliberately the naive masked mean: a micro-batch without valid
+    # examples gives 0 / 0 = NaN, which weight 0 must drop.
+    mask = batch["mask"]
+    return jnp.sum(per_example_loss(params, batch) * mask) / jnp.sum(mask)
+
+
+# The full-batch references, jitted once: eager value_and_grad compiles every
+# primitive on its own, which dominates a small test's run time.
+full_mean_loss = jax.jit(jax.value_and_grad(mean_loss))
+full_masked_mean_loss = jax.jit(jax.value_and_grad(masked_mean_loss))
+
+
+def valid_count(microbatch):
+    return jnp.sum(microbatch["mask"])
+
+
+# With the strided split, micro-batch i of 4 holds examples i, i+4, i+8, i+12,
+# so this mask gives micro-batches 3, 2, 0 and 4 valid examples.
+UNEVEN_MASK = np.array(
+    [1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 0, 1, 0, 0, 0, 1], dtype=np.float32
+)
+
+
+@pytest.fixture(params=["jit", "no_jit"])
+def variant(request):
+    """Runs a test body with and without jax.jit (chex.variants for pytest)."""
+    return jax.jit if request.param == "jit" else (lambda fn: fn)
+
+
+def close(actual, expected, atol=1e-6, rtol=1e-5):
+    chex.assert_trees_all_close(actual, expected, atol=atol, rtol=rtol)
+
+
+class TestMatchesFullBatch:
+    # Eagerly only once: without jit every primitive outside the scan
+    # compiles on its own, which costs seconds per case.
+    @pytest.mark.parametrize(
+        "num_microbatches, use_jit", [(1, True), (4, True), (16, True), (4, False)]
+    )
+    def test_mean_loss(self, num_microbatches, use_jit):
+        params, batch = make_params(), make_batch()
+        fn = microbatched_value_and_grad(mean_loss, num_microbatches)
+        fn = jax.jit(fn) if use_jit else fn
+        close(fn(params, batch), full_mean_loss(params, batch))
+
+    def test_masked_weighted_is_big_batch_masked_mean(self, variant):
+        params, batch = make_params(), make_batch()
+        batch["mask"] = UNEVEN_MASK
+        fn = variant(
+            microbatched_value_and_grad(masked_mean_loss, 4, weight_fn=valid_count)
+        )
+        loss, grads = fn(params, batch)
+        expected_loss, expected_grads = full_masked_mean_loss(params, batch)
+        close((loss, grads), (expected_loss, expected_grads))
+        assert np.isfinite(float(loss))
+
+    def test_unweighted_mean_of_means_differs_when_counts_differ(self):
+        # The gradient-accumulation loss bug the weights fix: without them,
+        # micro-batches with few valid examples count as much as full ones.
+        params, batch = make_params(), make_batch()
+        batch["mask"] = UNEVEN_MASK.copy()
+        batch["mask"][2] = 1.0  # counts 3, 2, 1, 4
+        unweighted = microbatched_value_and_grad(masked_mean_loss, 4)
+        loss, _ = unweighted(params, batch)
+        expected, _ = full_masked_mean_loss(params, batch)
+        assert abs(float(loss) - float(expected)) > 1e-3
+
+    def test_aux_is_weighted_mean(self):
+        def loss_with_aux(params, batch):
+            losses = per_example_loss(params, batch)
+            mask = batch["mask"]
+            logits = batch["x"] @ params["w"] + params["b"]
+            correct = (jnp.argmax(logits, -1) == batch["y"]) * mask
+            aux = {
+                "accuracy": jnp.sum(correct) / jnp.sum(mask),
+                "max_logit": jnp.max(logits).astype(jnp.bfloat16),
+            }
+            return jnp.sum(losses * mask) / jnp.sum(mask), aux
+
+        params, batch = make_params(), make_batch()
+        batch["mask"] = UNEVEN_MASK
+        fn = jax.jit(
+            microbatched_value_and_grad(
+                loss_with_aux, 4, has_aux=True, weight_fn=valid_count
+            )
+        )
+        (loss, aux), grads = fn(params, batch)
+        (expected_loss, expected_aux), expected_grads = jax.value_and_grad(
+            loss_with_aux, has_aux=True
+        )(params, batch)
+        close((loss, grads), (expected_loss, expected_grads))
+        close(aux["accuracy"], expected_aux["accuracy"])
+        # A max is not a mean: the aux max comes back as the weighted mean
+        # of the micro-batch maxima, in the aux leaf's dtype.
+        assert aux["max_logit"].dtype == jnp.bfloat16
+        assert float(aux["max_logit"]) <= float(expected_aux["max_logit"])
+
+    def test_integer_aux_is_averaged_in_accumulator_dtype(self):
+        def loss_with_count(params, batch):
+            return mean_loss(params, batch), jnp.sum(batch["y"] >= 0)
+
+        fn = microbatched_value_and_grad(loss_with_count, 4, has_aux=True)
+        (_, count), _ = fn(make_params(), make_batch())
+        assert count.dtype == jnp.float32
+        assert float(count) == BATCH / 4
+
+    def test_extra_arguments_are_passed_to_every_microbatch(self):
+        def scaled_loss(params, batch, scale, *, offset=0.0):
+            return scale * mean_loss(params, batch) + offset
+
+        params, batch = make_params(), make_batch()
+        fn = microbatched_value_and_grad(scaled_loss, 4)
+        close(
+            fn(params, batch, 2.0, offset=1.0),
+            jax.value_and_grad(scaled_loss)(params, batch, 2.0, offset=1.0),
+        )
+        assert fn.__name__ == "scaled_loss"
+
+
+def dropout_loss(params, batch, key=None):
+    logits = batch["x"] @ params["w"] + params["b"]
+    if key is not None:
+        keep = jax.random.bernoulli(key, 0.5, logits.shape)
+        logits = jnp.where(keep, logits * 2.0, 0.0)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return jnp.mean(losses)
+
+
+# Jitted once: compiled once per micro-batch shape, not once per call.
+full_dropout_loss = jax.jit(jax.value_and_grad(dropout_loss))
+
+
+def manual_key_reference(params, batch, key, num_microbatches):
+    """Mean over the strided micro-batches, micro-batch i with fold_in(key, i)."""
+    results = [
+        full_dropout_loss(
+            params,
+            strided_microbatch(batch, i, num_microbatches),
+            key=jax.random.fold_in(key, i),
+        )
+        for i in range(num_microbatches)
+    ]
+    return jax.tree.map(lambda *leaves: sum(leaves) / num_microbatches, *results)
+
+
+class TestKeys:
+    def test_each_microbatch_gets_fold_in_key(self):
+        params, batch = make_params(), make_batch()
+        key = jax.random.PRNGKey(42)
+        fn = jax.jit(microbatched_value_and_grad(dropout_loss, 4))
+        expected = manual_key_reference(params, batch, key, 4)
+        close(fn(params, batch, key=key), expected)
+
+    def test_positional_and_typed_keys(self):
+        params, batch = make_params(), make_batch()
+        fn = microbatched_value_and_grad(dropout_loss, 4)
+        key = jax.random.PRNGKey(7)
+        expected = manual_key_reference(params, batch, key, 4)
+        close(jax.jit(fn)(params, batch, key), expected)
+        typed_key = jax.random.key(7)
+        expected_typed = manual_key_reference(params, batch, typed_key, 4)
+        close(fn(params, batch, key=typed_key), expected_typed)
+
+    def test_keyword_only_key_and_no_key(self):
+        def loss_kw_only(params, batch, *, key):
+            return dropout_loss(params, batch, key=key)
+
+        params, batch = make_params(), make_batch()
+        key = jax.random.PRNGKey(3)
+        fn = jax.jit(microbatched_value_and_grad(loss_kw_only, 4))
+        close(fn(params, batch, key=key), manual_key_reference(params, batch, key, 4))
+        # A key-taking loss called without a key runs deterministically.
+        close(
+            jax.jit(microbatched_value_and_grad(dropout_loss, 4))(params, batch),
+            full_mean_loss(params, batch),
+        )
+
+
+def scan_carry_dtypes(fn, *args):
+    """The dtypes of the scan carry (the accumulators) in ``fn``'s jaxpr."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    (scan,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    start = scan.params["num_consts"]
+    carry = scan.invars[start : start + scan.params["num_carry"]]
+    return {var.aval.dtype for var in carry}
+
+
+class TestDtypes:
+    def test_bf16_params_give_bf16_grads_with_f32_accumulation(self):
+        params = make_params(jnp.bfloat16)
+        batch = make_batch(dtype=jnp.bfloat16)
+        fn = microbatched_value_and_grad(mean_loss, 8)
+        loss, grads = jax.jit(fn)(params, batch)
+        assert loss.dtype == jax.eval_shape(mean_loss, params, batch).dtype
+        chex.assert_trees_all_equal_dtypes(grads, params)
+        # The accumulator (the scan carry) is float32.
+        assert scan_carry_dtypes(fn, params, batch) == {jnp.dtype(jnp.float32)}
+        # Numerically: the f32 mean of the 8 bf16 micro-batch gradients.
+        per_microbatch = [
+            full_mean_loss(params, strided_microbatch(batch, i, 8))[1] for i in range(8)
+        ]
+        expected = jax.tree.map(
+            lambda *g: (sum(x.astype(jnp.float32) for x in g) / 8).astype(jnp.bfloat16),
+            *per_microbatch,
+        )
+        chex.assert_trees_all_equal(grads, expected)
+
+    def test_accumulator_dtype_is_the_scan_carry_dtype(self):
+        fn = microbatched_value_and_grad(mean_loss, 4, accumulator_dtype=jnp.bfloat16)
+        carry = scan_carry_dtypes(fn, make_params(), make_batch())
+        assert carry == {jnp.dtype(jnp.bfloat16)}
+
+    def test_bf16_loss_keeps_its_dtype(self):
+        def bf16_loss(params, batch):
+            return mean_loss(params, batch).astype(jnp.bfloat16)
+
+        loss, grads = microbatched_value_and_grad(bf16_loss, 4)(
+            make_params(), make_batch()
+        )
+        assert loss.dtype == jnp.bfloat16
+        chex.assert_trees_all_equal_dtypes(grads, make_params())
+
+
+class TestZeroWeight:
+    def test_zero_total_weight_gives_zeros(self, variant):
+        def loss_with_aux(params, batch):
+            return masked_mean_loss(params, batch), {"n": jnp.sum(batch["mask"])}
+
+        params, batch = make_params(), make_batch()
+        batch["mask"] = jnp.zeros((BATCH,))
+        fn = variant(
+            microbatched_value_and_grad(
+                loss_with_aux, 4, has_aux=True, weight_fn=valid_count
+            )
+        )
+        (loss, aux), grads = fn(params, batch)
+        chex.assert_trees_all_equal(
+            ((loss, aux), grads),
+            (
+                (jnp.float32(0), {"n": jnp.float32(0)}),
+                jax.tree.map(jnp.zeros_like, params),
+            ),
+        )
+
+
+NUM_DEVICES = 8
+COLLECTIVES = ("psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all")
+
+
+def replicate(tree):
+    return jax.tree.map(
+        lambda leaf: jnp.broadcast_to(leaf, (NUM_DEVICES, *leaf.shape)), tree
+    )
+
+
+def per_device(batch):
+    return jax.tree.map(
+        lambda leaf: leaf.reshape(NUM_DEVICES, -1, *leaf.shape[1:]), batch
+    )
+
+
+def sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jax.extend.core.Jaxpr):
+                yield item
+
+
+def collectives_in_scan(jaxpr, inside_scan=False):
+    """Names of the collective primitives inside any scan body of ``jaxpr``."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if inside_scan and name.startswith(COLLECTIVES):
+            found.add(name)
+        for sub in sub_jaxprs(eqn):
+            found |= collectives_in_scan(sub, inside_scan or name == "scan")
+    return found
+
+
+@functools.cache
+def pmapped(num_microbatches):
+    """pmap of (micro-batched) value_and_grad followed by one pmean."""
+
+    def step(params, batch):
+        if num_microbatches:
+            grad_fn = microbatched_value_and_grad(mean_loss, num_microbatches)
+        else:
+            grad_fn = jax.value_and_grad(mean_loss)
+        loss, grads = grad_fn(params, batch)
+        return jax.lax.pmean((loss, grads), axis_name="devices")
+
+    return jax.pmap(step, axis_name="devices")
+
+
+class TestAcrossDevices:
+    def test_pmean_after_microbatching_is_big_batch(self):
+        assert jax.device_count() == NUM_DEVICES, "tests/conftest.py sets 8 devices"
+        params, batch = make_params(), make_batch(batch=NUM_DEVICES * 8)
+        loss, grads = pmapped(4)(replicate(params), per_device(batch))
+        expected = full_mean_loss(params, batch)
+        close((loss[0], jax.tree.map(lambda g: g[0], grads)), expected)
+
+    def test_one_reduction_per_step_under_pmap(self):
+        # No collective inside the scan, and as many all-reduces as without
+        # micro-batching: only the final pmean.
+        params, batch = make_params(), make_batch(batch=NUM_DEVICES * 8)
+        args = (replicate(params), per_device(batch))
+        assert not collectives_in_scan(jax.make_jaxpr(pmapped(4))(*args).jaxpr)
+
+        def all_reduces(num_microbatches):
+            return pmapped(num_microbatches).lower(*args).as_text().count("all_reduce")
+
+        assert all_reduces(4) == all_reduces(0) >= 1
+
+    def test_weighted_average_across_devices_is_big_batch_masked_mean(self):
+        # 4 examples per device, 2 strided micro-batches per device: device 1
+        # sees no valid example at all, and device 2's second micro-batch
+        # (examples 1 and 3) is empty, so its naive masked mean is 0 / 0.
+        device_masks = [
+            [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0], [0, 1, 0, 0],
+            [1, 1, 0, 1], [1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 1, 1],
+        ]  # fmt: skip
+        params = make_params()
+        batch = make_batch(batch=NUM_DEVICES * 4)
+        batch["mask"] = jnp.array(device_masks, jnp.float32).reshape(-1)
+        average = gradaccum_jax.average_across_devices("devices")
+
+        def step(params, batch):
+            grad_fn = microbatched_value_and_grad(
+                masked_mean_loss, 2, weight_fn=valid_count
+            )
+            # Each device weighs by what it saw: sum_d w_d x_d / sum_d w_d.
+            value_and_grads, _ = average.update(
+                grad_fn(params, batch), average.init(params), weight=valid_count(batch)
+            )
+            return value_and_grads
+
+        loss, grads = jax.pmap(step, axis_name="devices")(
+            replicate(params), per_device(batch)
+        )
+        expected = full_masked_mean_loss(params, batch)
+        close((loss[0], jax.tree.map(lambda g: g[0], grads)), expected)
+
+    def test_shard_map_with_average_across_devices(self):
+        mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+        params, batch = make_params(), make_batch(batch=NUM_DEVICES * 8)
+        expected = full_mean_loss(params, batch)
+        average = gradaccum_jax.average_across_devices("data")
+
+        def step(params, batch):
+            # Varying parameters: each device keeps its own gradient for the
+            # one reduction after the scan (invariant ones would make jax.grad
+            # psum inside every micro-batch).
+            params = jax.lax.pcast(params, "data", to="varying")
+            value_and_grads = microbatched_value_and_grad(mean_loss, 4)(params, batch)
+            return average.update(value_and_grads, average.init(params))[0]
+
+        sharded_step = jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+        )
+        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+        batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+        assert not collectives_in_scan(
+            jax.make_jaxpr(sharded_step)(params, batch).jaxpr
+        )
+        close(jax.jit(sharded_step)(params, batch), expected)
+
+    def test_sharded_batch_under_jit_stays_local(self):
+        # The strided split of a batch sharded along its batch axis needs no
+        # data movement: no all-gather, all-to-all or permute in the HLO
+        # (a contiguous split cannot even be expressed under Explicit mode).
+        mesh = jax.make_mesh(
+            (NUM_DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+        )
+        params, batch = make_params(), make_batch(batch=NUM_DEVICES * 8)
+        expected = full_mean_loss(params, batch)
+        batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+        compiled = (
+            jax.jit(microbatched_value_and_grad(mean_loss, 4))
+            .lower(params, batch)
+            .compile()
+        )
+        close(compiled(params, batch), expected)
+        hlo = compiled.as_text()
+        for collective in ("all-gather", "all-to-all", "collective-permute"):
+            assert collective not in hlo
+
+
+class TestErrors:
+    @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4", None])
+    def test_bad_num_microbatches(self, bad):
+        with pytest.raises(ValueError, match="num_microbatches"):
+            microbatched_value_and_grad(mean_loss, bad)
+
+    def test_not_dividing_batch_size(self):
+        fn = microbatched_value_and_grad(mean_loss, 3)
+        with pytest.raises(ValueError, match=r"num_microbatches.*3.*batch size 16"):
+            fn(make_params(), make_batch())
+        with pytest.raises(ValueError, match=r"num_microbatches.*batch size 16"):
+            jax.jit(fn)(make_params(), make_batch())
+
+    def test_leaves_disagree_on_batch_size(self):
+        batch = make_batch()
+        batch["y"] = batch["y"][:8]
+        with pytest.raises(ValueError, match=r"\['y'\].*8.*\['x'\].*16"):
+            microbatched_value_and_grad(mean_loss, 2)(make_params(), batch)
+
+    def test_scalar_batch_leaf(self):
+        batch = make_batch()
+        batch["temperature"] = jnp.float32(1.0)
+        with pytest.raises(ValueError, match=r"\['temperature'\].*scalar"):
+            microbatched_value_and_grad(mean_loss, 2)(make_params(), batch)
+
+    @pytest.mark.parametrize("bad", [jnp.int32, jnp.bool_, "not a dtype"])
+    def test_non_float_accumulator_dtype(self, bad):
+        with pytest.raises(ValueError, match="accumulator_dtype"):
+            microbatched_value_and_grad(mean_loss, 2, accumulator_dtype=bad)
+
+    def test_loss_fn_and_weight_fn_must_be_callable_and_scalar(self):
+        with pytest.raises(ValueError, match="loss_fn"):
+            microbatched_value_and_grad("not a function", 2)
+        with pytest.raises(ValueError, match="weight_fn"):
+            microbatched_value_and_grad(mean_loss, 2, weight_fn=3.0)
+        fn = microbatched_value_and_grad(
+            mean_loss, 2, weight_fn=lambda microbatch: microbatch["x"]
+        )
+        with pytest.raises(ValueError, match=r"`weight_fn` must return a scalar"):
+            fn(make_params(), make_batch())
