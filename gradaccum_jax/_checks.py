@@ -56,8 +56,44 @@ def nonnegative_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def boolean(name: str, value: Any) -> bool:
+    """Returns ``value``, or raises if it is not a bool (``"False"`` is truthy)."""
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(
+            f"`{name}` must be a bool (True or False), got {value!r} "
+            f"of type {type(value).__name__}."
+        )
+    return bool(value)
+
+
+# jax.random.key keeps 32 bits of a seed unless jax_enable_x64 is set: 2**32
+# would silently give seed 0's key, and 2**64 overflows.
+_MAX_SEED = 2**32 - 1
+
+
+def prng_seed(name: str, value: Any) -> int:
+    """Returns ``value`` as an int, or raises if it is not in [0, 2**32 - 1]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"`{name}` must be an integer in [0, {_MAX_SEED}] (2**32 - 1), got "
+            f"{value!r} of type {type(value).__name__}."
+        )
+    if not 0 <= value <= _MAX_SEED:
+        raise ValueError(
+            f"`{name}` must be an integer in [0, {_MAX_SEED}] (2**32 - 1): "
+            f"jax.random.key keeps only 32 bits of a seed, got {value}."
+        )
+    return int(value)
+
+
 def float_dtype(name: str, dtype: Any) -> jnp.dtype:
     """Returns the canonical floating dtype, or raises for anything else."""
+    if dtype is None:
+        # jnp.dtype(None) is float64 (float32 without x64): optax reads
+        # dtype=None as "the params' dtype", so None must not pass silently.
+        raise ValueError(
+            f"`{name}` must be a floating dtype such as jnp.float32, got None."
+        )
     try:
         canonical = jnp.dtype(dtype)
     except TypeError as error:
@@ -141,3 +177,25 @@ def floating_leaves(tree: Any, what: str) -> None:
                 "gradient: mask them out of the optimizer (optax.masked) or "
                 "cast the gradient first."
             )
+
+
+def transformation(name: str, value: Any) -> Any:
+    """Returns ``value``, or raises unless it has callable init and update."""
+    if not (
+        callable(getattr(value, "init", None))
+        and callable(getattr(value, "update", None))
+    ):
+        raise ValueError(
+            f"`{name}` must be an optax.GradientTransformation such as "
+            f"optax.adam(1e-3) (not the factory optax.adam), got {value!r}."
+        )
+    return value
+
+
+def optional_callable(name: str, value: Any, signature: str) -> Any:
+    """Returns ``value``, or raises unless it is None or callable."""
+    if value is not None and not callable(value):
+        raise ValueError(
+            f"`{name}` must be None or a callable {signature}, got {value!r}."
+        )
+    return value

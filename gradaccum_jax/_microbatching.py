@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _checks
+from gradaccum_jax._tree import vary_over, varying_axes
 
 _KEY_ARG = "key"
 
@@ -106,15 +107,6 @@ def _split(batch: Any, num_microbatches: int) -> Any:
     return jax.tree.map(split_leaf, batch)
 
 
-def _varying_axes(struct: jax.ShapeDtypeStruct) -> tuple[str, ...]:
-    """The shard_map mesh axes a value varies over (none outside shard_map)."""
-    manual_axis_type = getattr(struct, "manual_axis_type", None)  # jax >= 0.10
-    axes = getattr(manual_axis_type, "varying", None)
-    if axes is None:
-        axes = getattr(struct, "vma", None) or ()  # older jax releases
-    return tuple(sorted(axes))
-
-
 def _zeros(tree: Any, dtype: jnp.dtype) -> Any:
     """Zeros shaped like ``tree``'s leaves, varying where its leaves vary.
 
@@ -125,13 +117,7 @@ def _zeros(tree: Any, dtype: jnp.dtype) -> Any:
     """
 
     def zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
-        leaf = jnp.zeros(struct.shape, dtype)
-        axes = _varying_axes(struct)
-        if not axes:
-            return leaf
-        if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(leaf, axes, to="varying")
-        return jax.lax.pvary(leaf, axes)
+        return vary_over(jnp.zeros(struct.shape, dtype), varying_axes(struct))
 
     return jax.tree.map(zeros, tree)
 
@@ -231,6 +217,7 @@ def microbatched_value_and_grad(
     if not callable(loss_fn):
         raise ValueError(f"`loss_fn` must be callable, got {loss_fn!r}.")
     num_microbatches = _checks.positive_int("num_microbatches", num_microbatches)
+    has_aux = _checks.boolean("has_aux", has_aux)
     accumulator_dtype = _checks.float_dtype("accumulator_dtype", accumulator_dtype)
     if weight_fn is not None and not callable(weight_fn):
         raise ValueError(

@@ -493,3 +493,31 @@ def test_devices_skipping_different_micro_batches_stay_in_step():
     expected = -(sum(range(1, n)) + 10.0 * n) / (2 * n - 1)
     np.testing.assert_allclose(updates["w"], np.full((n,), expected), rtol=1e-6)
     assert bool(jnp.all(state.emitted))
+
+
+def test_shard_map_inner_output_replicated_over_devices(mesh):
+    """After the all-reduce the inner chain's updates are the same on every
+    device (device-invariant), while the loop slot started from per-device
+    buffers; the engine reconciles the two types inside shard_map."""
+    tx = ga.MultiSteps(optax.chain(ga.average_across_devices("d"), optax.sgd(1.0)), 2)
+    params = {"w": jnp.zeros((3,))}
+
+    def two_micro_steps(grads):
+        # grads: this device's (2, 3) block: one row per micro-step.
+        state = tx.init(params)
+        _, state = tx.update({"w": grads[0]}, state, params)
+        updates, state = tx.update({"w": grads[1]}, state, params)
+        return updates["w"][None], state.acc_weight[None]
+
+    grads = jnp.arange(N_DEVICES * 2 * 3, dtype=jnp.float32).reshape(N_DEVICES * 2, 3)
+    updates, weights = jax.jit(
+        jax.shard_map(
+            two_micro_steps,
+            mesh=mesh,
+            in_specs=P("d"),
+            out_specs=(P("d"), P("d")),
+        )
+    )(grads)
+    expected = -np.asarray(grads).mean(axis=0)
+    np.testing.assert_allclose(updates, np.tile(expected, (N_DEVICES, 1)), rtol=1e-6)
+    np.testing.assert_array_equal(weights, np.zeros(N_DEVICES))
