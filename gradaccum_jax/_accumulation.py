@@ -74,7 +74,7 @@ def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
     Returns:
       A `WindowAccumulator` whose state is a tree shaped like the params.
     """
-    dtype = _checks.float_dtype("accumulator_dtype", dtype)
+    dtype = _checks.float_dtype("dtype", dtype)
 
     def init(params):
         return optax.tree.zeros_like(params, dtype=dtype)
@@ -227,12 +227,22 @@ class MultiSteps:
                 "`every_k_schedule` must be an integer >= 1 or a function of "
                 f"the gradient step returning one, got {every_k_schedule!r}."
             )
-        self._opt = optax.with_extra_args_support(opt)
-        self._use_grad_mean = bool(use_grad_mean)
-        self._should_skip_update_fn = should_skip_update_fn
-        self._count_skipped = bool(count_skipped)
+        self._opt = optax.with_extra_args_support(_checks.transformation("opt", opt))
+        self._use_grad_mean = _checks.boolean("use_grad_mean", use_grad_mean)
+        self._should_skip_update_fn = _checks.optional_callable(
+            "should_skip_update_fn",
+            should_skip_update_fn,
+            "fn(updates, gradient_step, params) -> (skip, skip_state)",
+        )
+        self._count_skipped = _checks.boolean("count_skipped", count_skipped)
+        accumulator_dtype = _checks.float_dtype("accumulator_dtype", accumulator_dtype)
         if window_accumulator is None:
             window_accumulator = float_accumulator(accumulator_dtype)
+        elif not isinstance(window_accumulator, WindowAccumulator):
+            raise ValueError(
+                "`window_accumulator` must be None or a WindowAccumulator, "
+                f"got {window_accumulator!r}."
+            )
         self._accumulator = window_accumulator
 
     @property
@@ -573,6 +583,10 @@ def accumulate(
     Returns:
       An `optax.GradientTransformationExtraArgs` accepting ``weight=``.
     """
+    if not callable(every_k):
+        _checks.positive_int("every_k", every_k)
+    average = _checks.boolean("average", average)
+    skip_nonfinite = _checks.boolean("skip_nonfinite", skip_nonfinite)
     return MultiSteps(
         opt,
         every_k,

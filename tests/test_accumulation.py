@@ -298,7 +298,7 @@ def test_bad_configuration_fails_at_construction(kwargs, message):
 
 
 def test_bad_configuration_of_accumulate():
-    with pytest.raises(ValueError, match="`every_k_schedule` must be an integer >= 1"):
+    with pytest.raises(ValueError, match="`every_k` must be an integer >= 1"):
         accumulate(optax.sgd(1.0), 0)
 
 

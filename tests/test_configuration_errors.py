@@ -1,0 +1,231 @@
+"""Bad configuration fails at construction with a ValueError that names the
+argument and the accepted range (DESIGN.md, "Errors").
+
+One table row per (public constructor, argument, bad value). A row passes
+when constructing with that one bad argument (all others valid) raises a
+ValueError whose message contains the argument's name in backticks, a
+description of the accepted values, and nothing is deferred to ``init`` or
+to XLA. `test_table_covers_every_argument_of_every_constructor` keeps the
+table complete as the API grows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradaccum_jax as ga
+
+
+def _loss(params, batch):
+    return jnp.sum(params * batch)
+
+
+# Valid arguments for every public constructor; each row changes one of them.
+VALID: dict[str, dict[str, Any]] = {
+    "MultiSteps": {"opt": optax.sgd(0.1), "every_k_schedule": 2},
+    "accumulate": {"opt": optax.sgd(0.1), "every_k": 2},
+    "float_accumulator": {"dtype": jnp.float32},
+    "clip_by_global_norm": {"max_norm": 1.0},
+    "clip": {"max_delta": 1.0},
+    "average_across_devices": {"axis_name": "devices"},
+    "ternary_quantize": {"x": np.ones(4, np.float32)},
+    "ternarize": {"seed": 0},
+    "ternary_accumulate": {"opt": optax.sgd(0.1), "every_k": 2},
+    "ternary_average_across_devices": {"axis_name": "devices", "seed": 0},
+    "microbatched_value_and_grad": {"loss_fn": _loss, "num_microbatches": 2},
+}
+
+# Arguments that are inputs, not configuration.
+INPUTS = {("ternary_quantize", "x"), ("ternary_quantize", "key")}
+
+# Public callables that are not constructors (their arguments are inputs).
+NOT_CONSTRUCTORS = {
+    "global_norm",
+    "state_nbytes",
+    "all_reduce_nbytes",
+    "ternary_dequantize",
+    # optax's own functions, re-exported with optax's signatures.
+    "skip_not_finite",
+    "skip_large_updates",
+}
+
+# What the message must say about the accepted values.
+INTEGER_GE_1 = r"integer >= 1"
+INTEGER_GE_0 = r"integer >= 0|integer in \[0,"
+SEED_RANGE = r"(integer >= 0|integer in \[0,).*(2\*\*32|4294967295)"
+POSITIVE_FINITE = r"positive finite"
+FLOAT_DTYPE = r"floating dtype"
+AXIS_NAME = r"non-empty string"
+CODE_SUM_LIMIT = r"<= 32767"
+BOOL = r"a bool"
+CALLABLE = r"callable"
+TRANSFORMATION = r"GradientTransformation"
+ACCUMULATOR = r"WindowAccumulator"
+
+NAN, INF = math.nan, math.inf
+
+
+class Row(NamedTuple):
+    constructor: str
+    argument: str
+    bad_values: tuple[Any, ...]
+    accepted: str  # regex the message must match
+
+
+def _rows_for(constructors, argument, bad_values, accepted):
+    return [Row(c, argument, tuple(bad_values), accepted) for c in constructors]
+
+
+ACCUMULATORS = ("MultiSteps", "accumulate", "ternary_accumulate")
+TERNARY = ("ternarize", "ternary_accumulate", "ternary_average_across_devices")
+BAD_COUNTS = (0, -3, 2.5, 2.0, True, "4", None)
+
+TABLE: list[Row] = [
+    # Accumulation windows.
+    Row("MultiSteps", "every_k_schedule", BAD_COUNTS + (np.int64(0),), INTEGER_GE_1),
+    Row("accumulate", "every_k", BAD_COUNTS, INTEGER_GE_1),
+    Row("ternary_accumulate", "every_k", BAD_COUNTS, INTEGER_GE_1),
+    Row("ternary_accumulate", "every_k", (32768, 10**6), CODE_SUM_LIMIT),
+    Row("ternary_accumulate", "max_every_k", (0, -1, 2.5, "8"), INTEGER_GE_1),
+    Row("ternary_accumulate", "max_every_k", (32768,), CODE_SUM_LIMIT),
+    Row("microbatched_value_and_grad", "num_microbatches", BAD_COUNTS, INTEGER_GE_1),
+    # Accumulator dtypes. None is rejected: optax's convention for
+    # `dtype=None` is "the params' dtype", but jnp.dtype(None) is float64,
+    # which would silently mean float32 here.
+    *_rows_for(
+        ("MultiSteps", "accumulate", "microbatched_value_and_grad"),
+        "accumulator_dtype",
+        (jnp.int32, jnp.int8, jnp.bool_, jnp.complex64, "no-such-dtype", None),
+        FLOAT_DTYPE,
+    ),
+    Row(
+        "float_accumulator",
+        "dtype",
+        (jnp.int32, jnp.bool_, jnp.complex64, "no-such-dtype", None),
+        FLOAT_DTYPE,
+    ),
+    # Clipping thresholds.
+    Row(
+        "clip_by_global_norm",
+        "max_norm",
+        (0.0, -1.0, NAN, INF, -INF, "1.0", None, True),
+        POSITIVE_FINITE,
+    ),
+    Row(
+        "clip",
+        "max_delta",
+        (0.0, -1.0, NAN, INF, "1.0", None, True),
+        POSITIVE_FINITE,
+    ),
+    *_rows_for(
+        ("ternary_quantize", *TERNARY),
+        "clip_sigma",
+        (0.0, -2.5, NAN, INF, "2.5", True),
+        POSITIVE_FINITE,
+    ),
+    # Ternary configuration.
+    *_rows_for(TERNARY, "min_size", (-1, 2.5, "256", None, True), INTEGER_GE_0),
+    *_rows_for(TERNARY, "seed", (-1, 1.5, "0", None, True), INTEGER_GE_0),
+    # jax.random.key keeps only 32 bits without jax_enable_x64: seed 2**32
+    # gives seed 0's key (silently), 2**64 overflows in `init`.
+    *_rows_for(TERNARY, "seed", (2**32, 2**64), SEED_RANGE),
+    # Axis names.
+    *_rows_for(
+        ("average_across_devices", "ternary_average_across_devices"),
+        "axis_name",
+        ("", None, 3, (), ("devices", ""), ["devices"]),
+        AXIS_NAME,
+    ),
+    # The wrapped optimizer: a transformation, not its factory.
+    *_rows_for(ACCUMULATORS, "opt", (None, optax.adam, "adam"), TRANSFORMATION),
+    Row("MultiSteps", "window_accumulator", ("float32", (1, 2)), ACCUMULATOR),
+    # Flags: a string such as "False" is truthy; only bools are accepted.
+    Row("MultiSteps", "use_grad_mean", ("False", None), BOOL),
+    Row("MultiSteps", "count_skipped", ("False", None), BOOL),
+    Row("ternary_accumulate", "use_grad_mean", ("False", None), BOOL),
+    Row("accumulate", "average", ("False", None), BOOL),
+    Row("accumulate", "skip_nonfinite", ("False", None), BOOL),
+    Row("ternarize", "stochastic", ("False", None), BOOL),
+    *_rows_for(
+        ("ternarize", "ternary_average_across_devices"),
+        "error_feedback",
+        ("False", None),
+        BOOL,
+    ),
+    Row("microbatched_value_and_grad", "has_aux", ("False", None), BOOL),
+    # Callables.
+    *_rows_for(
+        ("MultiSteps", "ternary_accumulate"),
+        "should_skip_update_fn",
+        (3, "skip_not_finite"),
+        CALLABLE,
+    ),
+    Row("microbatched_value_and_grad", "loss_fn", (3, None), CALLABLE),
+    Row("microbatched_value_and_grad", "weight_fn", (3, "mask"), CALLABLE),
+]
+
+
+def _cases():
+    for row in TABLE:
+        for bad in row.bad_values:
+            label = getattr(bad, "__name__", None) or repr(bad)
+            name = re.sub(r"\W+", "_", label).strip("_")[:24]
+            yield pytest.param(row, bad, id=f"{row.constructor}-{row.argument}-{name}")
+
+
+@pytest.mark.parametrize(("row", "bad"), list(_cases()))
+def test_bad_argument_raises_value_error_naming_it_and_its_range(row, bad):
+    constructor = getattr(ga, row.constructor)
+    call = f"gradaccum_jax.{row.constructor}({row.argument}={bad!r})"
+    try:
+        constructor(**{**VALID[row.constructor], row.argument: bad})
+    except ValueError as error:
+        message = str(error)
+    except Exception as error:  # e.g. AttributeError from deep inside
+        pytest.fail(
+            f"{call} raised {type(error).__name__} instead of ValueError: {error}"
+        )
+    else:
+        pytest.fail(f"{call} was accepted at construction")
+    assert f"`{row.argument}`" in message, (call, message)
+    assert re.search(row.accepted, message), (call, row.accepted, message)
+
+
+def test_valid_arguments_construct():
+    for name, kwargs in VALID.items():
+        getattr(ga, name)(**kwargs)
+
+
+def _public_callables() -> set[str]:
+    names = set()
+    for name in ga.__all__:
+        value = getattr(ga, name)
+        if not callable(value):
+            continue
+        if inspect.isclass(value) and name != "MultiSteps":
+            continue  # states, NamedTuples, type aliases
+        names.add(name)
+    return names
+
+
+def test_table_covers_every_argument_of_every_constructor():
+    constructors = _public_callables() - NOT_CONSTRUCTORS
+    assert constructors == set(VALID), (
+        "a public name was added or removed: give it a row per argument, or "
+        f"list it in NOT_CONSTRUCTORS: {constructors ^ set(VALID)}"
+    )
+    covered = {(row.constructor, row.argument) for row in TABLE} | INPUTS
+    missing = []
+    for name in sorted(constructors):
+        for parameter in inspect.signature(getattr(ga, name)).parameters:
+            if (name, parameter) not in covered:
+                missing.append(f"{name}({parameter}=...)")
+    assert not missing, f"no bad-value row for {missing}"
