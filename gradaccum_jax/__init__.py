@@ -31,6 +31,17 @@ from gradaccum_jax._clipping import (
 from gradaccum_jax._averaging import average_across_devices
 
 # --- ternary compression (DESIGN.md section 4) ---
+from gradaccum_jax._ternary import (
+    TernaryAccumulatorState,
+    TernaryState,
+    all_reduce_nbytes,
+    state_nbytes,
+    ternarize,
+    ternary_accumulate,
+    ternary_average_across_devices,
+    ternary_dequantize,
+    ternary_quantize,
+)
 
 # --- micro-batching inside one step (DESIGN.md section 5) ---
 from gradaccum_jax._microbatching import microbatched_value_and_grad

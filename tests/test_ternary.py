@@ -1,0 +1,512 @@
+"""Tests for ternary compression (DESIGN.md section 4).
+
+Statistical tests use pinned keys, so they are deterministic; their
+tolerances are derived from the variance of the estimator, so a real bias
+of a fraction of a standard error would fail them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradaccum_jax as ga
+from gradaccum_jax import _ternary
+
+NUM_DEVICES = 8
+
+EAGER_AND_JIT = pytest.mark.parametrize(
+    "compile_fn", [lambda fn: fn, jax.jit], ids=["eager", "jit"]
+)
+
+# An MLP's leaves: two compressed weight matrices, two float32 biases.
+PARAMS = {
+    "w1": jnp.zeros((64, 64)),
+    "b1": jnp.zeros((64,)),
+    "w2": jnp.zeros((64, 10)),
+    "b2": jnp.zeros((10,)),
+}
+
+
+def _normal(seed, shape):
+    # numpy, not jax.random: test data needs no compilation.
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
+def _heavy_tailed(seed, size):
+    """Student-t(3) values: some far above the rest, like real gradients."""
+    return jnp.asarray(np.random.default_rng(seed).standard_t(3.0, size), jnp.float32)
+
+
+def _random_like(tree, seed, leading=()):
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef,
+        [_normal((seed, i), leading + leaf.shape) for i, leaf in enumerate(leaves)],
+    )
+
+
+def _clipped(x, clip_sigma=2.5):
+    """TernGrad's clipping (to clip_sigma root-mean-squares), in numpy."""
+    x = np.asarray(x, np.float32)
+    bound = clip_sigma * np.sqrt(np.mean(x.astype(np.float64) ** 2))
+    return np.clip(x, -bound, bound)
+
+
+def _replicate(tree):
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (NUM_DEVICES, *a.shape)), tree)
+
+
+# --- ternary_quantize ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("stochastic", [True, False], ids=["terngrad", "twn"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_codes_dtype_values_and_scale(stochastic, dtype):
+    x = _normal(0, (7, 33)).astype(dtype)
+    key = jax.random.key(1) if stochastic else None
+    codes, scale = ga.ternary_quantize(x, key)
+    assert codes.dtype == jnp.int8 and codes.shape == x.shape
+    assert set(np.unique(codes)) <= {-1, 0, 1}
+    assert scale.dtype == jnp.float32 and scale.shape == ()
+    # Codes never flip a sign.
+    assert np.all(np.asarray(codes) * np.sign(np.asarray(x, np.float32)) >= 0)
+    if stochastic:
+        x32 = np.asarray(x, np.float32)
+        bound = 2.5 * np.sqrt(np.mean(x32**2))
+        np.testing.assert_allclose(scale, min(np.abs(x32).max(), bound), rtol=1e-5)
+
+
+def test_unclipped_scale_is_max_abs():
+    x = jnp.array([0.5, -4.0, 1.0, 0.0])
+    codes, scale = ga.ternary_quantize(x, jax.random.key(0), clip_sigma=None)
+    assert float(scale) == 4.0 and int(codes[1]) == -1 and int(codes[3]) == 0
+
+
+def test_twn_threshold_by_hand():
+    # mean|x| = 6.3 / 5 = 1.26, delta = 0.882: support {3, -1, 2}, scale 2.
+    x = jnp.array([3.0, -1.0, 0.1, -0.2, 2.0])
+    codes, scale = ga.ternary_quantize(x)
+    np.testing.assert_array_equal(codes, [1, -1, 0, 0, 1])
+    np.testing.assert_allclose(scale, 2.0, rtol=1e-6)
+
+
+def test_stochastic_quantizer_is_unbiased():
+    # Heavy-tailed values, so some elements are far below the scale.
+    x = _heavy_tailed(0, 256)
+    num_draws = 4096
+    keys = jax.random.split(jax.random.key(1), num_draws)
+    draws = jax.vmap(
+        lambda k: ga.ternary_dequantize(*ga.ternary_quantize(x, k, clip_sigma=None))
+    )(keys)
+    x, scale = np.asarray(x, np.float64), float(np.abs(x).max())
+    # Var[code * scale] = scale * |x| - x**2 per element (a scaled Bernoulli).
+    standard_error = np.sqrt((scale * np.abs(x) - x**2) / num_draws)
+    error = np.asarray(draws, np.float64).mean(0) - x
+    z = error / np.maximum(standard_error, 1e-12)
+    assert np.all(np.abs(error) <= 5 * standard_error + 1e-6)
+    # Under no bias, mean(z**2) ~ 1 +- 0.09 (chi-square with 256 dof).
+    assert 0.7 < np.mean(z**2) < 1.3
+    np.testing.assert_allclose(np.mean(z**2), 0.980, atol=1e-3)  # pinned keys
+
+
+def test_clipped_quantizer_is_unbiased_for_the_clipped_tensor():
+    x = _heavy_tailed(2, 256)
+    bound = 2.5 * float(jnp.sqrt(jnp.mean(x**2)))
+    keys = jax.random.split(jax.random.key(3), 4096)
+    mean = jax.vmap(lambda k: ga.ternary_dequantize(*ga.ternary_quantize(x, k)))(
+        keys
+    ).mean(0)
+    clipped = np.clip(np.asarray(x), -bound, bound)
+    standard_error = np.sqrt((bound * np.abs(clipped) - clipped**2) / 4096)
+    assert np.all(np.abs(np.asarray(mean) - clipped) <= 5 * standard_error + 1e-6)
+
+
+@pytest.mark.parametrize("key", [None, jax.random.key(0)], ids=["twn", "terngrad"])
+def test_zeros_and_non_finite(key):
+    codes, scale = ga.ternary_quantize(jnp.zeros((300,)), key)
+    assert float(scale) == 0.0 and not np.any(codes)
+    x = jnp.arange(300.0).at[7].set(jnp.nan)
+    codes, scale = ga.ternary_quantize(x, key)
+    assert np.isnan(scale) and set(np.unique(codes)) <= {-1, 0, 1}
+    assert np.all(np.isnan(ga.ternary_dequantize(codes, scale)))
+    _, scale = ga.ternary_quantize(x.at[7].set(jnp.inf), key)
+    assert np.isnan(scale)
+
+
+def test_dequantize_dtype_and_summed_codes():
+    codes = jnp.array([3, -2, 0], jnp.int16)
+    out = ga.ternary_dequantize(codes, jnp.float32(0.5), jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, [1.5, -1.0, 0.0])
+
+
+# --- ternarize ----------------------------------------------------------------
+
+
+@EAGER_AND_JIT
+@pytest.mark.parametrize("stochastic", [True, False], ids=["terngrad", "twn"])
+def test_error_feedback_bookkeeping(compile_fn, stochastic):
+    # The residual is the compressor's bias x - E[C(x)]: everything TWN did
+    # not send; TernGrad's clipping error (its rounding is unbiased). Either
+    # way sum(E[sent]) + residual = sum(inputs).
+    transform = ga.ternarize(0, stochastic=stochastic)
+    state = transform.init(PARAMS)
+    update = compile_fn(transform.update)
+    expected_sum = {name: 0.0 for name in ("w1", "w2")}
+    input_sum = jax.tree.map(jnp.zeros_like, PARAMS)
+    for step in range(2):
+        grads = _random_like(PARAMS, step)
+        inputs = {name: grads[name] + state.residual[name] for name in expected_sum}
+        sent, state = update(grads, state)
+        for name, x in inputs.items():
+            expected = _clipped(x) if stochastic else sent[name]
+            expected_sum[name] = expected_sum[name] + expected
+            if stochastic:  # scale = max|clip(x)|, codes in {-1, 0, 1}
+                ratio = np.asarray(sent[name]) / np.abs(expected).max()
+                assert set(np.unique(np.round(ratio, 5))) <= {-1, 0, 1}
+        input_sum = jax.tree.map(jnp.add, input_sum, grads)
+    # Small leaves pass through exactly and keep no residual.
+    assert isinstance(state.residual["b1"], optax.MaskedNode)
+    np.testing.assert_array_equal(sent["b2"], grads["b2"])
+    for name in expected_sum:
+        assert len(np.unique(np.abs(sent[name]))) <= 2  # {-scale, 0, scale}
+        assert np.any(state.residual[name])  # clipping happened
+        np.testing.assert_allclose(
+            expected_sum[name] + state.residual[name], input_sum[name], atol=1e-5
+        )
+
+
+def test_unclipped_terngrad_keeps_no_residual():
+    state = ga.ternarize(0, clip_sigma=None).init(PARAMS)
+    assert all(isinstance(r, optax.MaskedNode) for r in state.residual.values())
+    assert ga.state_nbytes(state) == 8  # the key
+
+
+def test_ternarize_is_reproducible_from_the_seed_and_splits_its_key():
+    grads = _random_like(PARAMS, 0)
+
+    def run(seed):
+        transform = ga.ternarize(seed, error_feedback=False)
+        state = transform.init(PARAMS)
+        first, state = transform.update(grads, state)
+        second, state = transform.update(grads, state)
+        return first["w1"], second["w1"]
+
+    first, second = run(3)
+    again_first, again_second = run(3)
+    np.testing.assert_array_equal(first, again_first)
+    np.testing.assert_array_equal(second, again_second)
+    assert not np.array_equal(first, second)  # a fresh key each step
+    assert not np.array_equal(first, run(4)[0])
+
+
+def test_ternarize_scans_and_a_non_finite_step_keeps_the_residual():
+    # TWN, whose bookkeeping is exact: sent + residual = inputs.
+    transform = ga.ternarize(0, stochastic=False, min_size=0)
+    grads = _random_like(PARAMS, 0)
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads)
+
+    def step(state, g):
+        sent, state = transform.update(g, state)
+        return state, sent
+
+    stacked = jax.tree.map(lambda g, b: jnp.stack([g, b, g]), grads, bad)
+    state, sent = jax.lax.scan(step, transform.init(PARAMS), stacked)
+    assert np.all(np.isnan(sent["w1"][1])) and np.all(np.isfinite(sent["w1"][2]))
+    np.testing.assert_allclose(
+        sent["w1"][0] + sent["w1"][2] + state.residual["w1"],
+        2 * grads["w1"],
+        atol=1e-5,
+    )
+
+
+# --- ternary_average_across_devices --------------------------------------------
+
+
+AVERAGE = ga.ternary_average_across_devices("i", 0)
+
+
+@functools.cache
+def _compiled_average(weighted: bool):
+    """The pmapped step ``(grads, state[, weight])``, compiled once per module."""
+    grads = jax.eval_shape(lambda: _random_like(PARAMS, 0, (NUM_DEVICES,)))
+    state = jax.eval_shape(lambda: _replicate(AVERAGE.init(PARAMS)))
+    if weighted:
+        step = jax.pmap(lambda g, s, w: AVERAGE.update(g, s, weight=w), axis_name="i")
+        weight = jax.ShapeDtypeStruct((NUM_DEVICES,), jnp.float32)
+        return step.lower(grads, state, weight).compile()
+    return jax.pmap(AVERAGE.update, axis_name="i").lower(grads, state).compile()
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
+def test_average_identical_on_every_device_with_bookkeeping(weighted):
+    state = _replicate(AVERAGE.init(PARAMS))
+    weight = jnp.arange(1.0, NUM_DEVICES + 1)
+    share = weight / weight.sum() if weighted else jnp.full(NUM_DEVICES, 0.125)
+    step = _compiled_average(weighted)
+    names = ("w1", "w2")
+    expected_sum = {name: 0.0 for name in names}
+    target_sum = {name: 0.0 for name in names}
+    share = np.asarray(share)
+    for seed in range(3):
+        grads = jax.device_get(_random_like(PARAMS, seed, (NUM_DEVICES,)))
+        # Each device's share of the mean plus its residual.
+        residual = jax.device_get(state.residual)
+        inputs = {n: share[:, None, None] * grads[n] + residual[n] for n in names}
+        mean, state = step(grads, state, weight) if weighted else step(grads, state)
+        mean = jax.device_get(mean)
+        for leaf in jax.tree.leaves(mean):  # bitwise identical everywhere
+            assert all(np.array_equal(leaf[0], leaf[d]) for d in range(NUM_DEVICES))
+        for name, x in inputs.items():
+            # E[mean] = sum over devices of their clipped shares.
+            expected_sum[name] += sum(_clipped(x[d]) for d in range(NUM_DEVICES))
+            target_sum[name] += np.tensordot(share, grads[name], 1)
+    # Small leaves: the exact float32 mean.
+    np.testing.assert_allclose(
+        mean["b1"][0], np.tensordot(share, grads["b1"], 1), atol=1e-6
+    )
+    # Compressed leaves: E[sent] + every device's residual = the target.
+    residual = jax.device_get(state.residual)
+    for name in names:
+        assert np.any(residual[name])
+        np.testing.assert_allclose(
+            expected_sum[name] + residual[name].sum(0),
+            target_sum[name],
+            atol=1e-5,
+        )
+
+
+def test_zero_total_weight_gives_zeros_and_keeps_the_residual():
+    step = _compiled_average(weighted=True)
+    grads = _random_like(PARAMS, 0, (NUM_DEVICES,))
+    _, state = step(grads, _replicate(AVERAGE.init(PARAMS)), jnp.ones(NUM_DEVICES))
+    mean, new_state = jax.device_get(step(grads, state, jnp.zeros(NUM_DEVICES)))
+    assert not any(np.any(leaf) for leaf in jax.tree.leaves(mean))
+    np.testing.assert_array_equal(new_state.residual["w1"], state.residual["w1"])
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
+def test_wire_bytes_from_compiled_hlo(weighted):
+    compiled = _compiled_average(weighted)
+    grads = _random_like(PARAMS, 0, (NUM_DEVICES,))
+    float_psum = jax.pmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")
+    float_bytes = ga.all_reduce_nbytes(float_psum.lower(grads).compile())
+    ternary_bytes = ga.all_reduce_nbytes(compiled)
+    assert float_bytes == 4 * 4810
+    # u32[790] codes (6 per word) + f32[74] biases + f32[2] scales (+ weight).
+    assert ternary_bytes == 790 * 4 + 74 * 4 + 2 * 4 + 4 * weighted
+    assert ternary_bytes <= float_bytes / 4
+    assert "u32[790]" in compiled.as_text()
+
+
+def test_average_is_unbiased_without_clipping():
+    transform = ga.ternary_average_across_devices(
+        "i", 0, error_feedback=False, clip_sigma=None, min_size=0
+    )
+    grads = _normal(0, (NUM_DEVICES, 128))
+    steps = 512
+
+    def run(g, state):
+        def step(state, _):
+            mean, state = transform.update(g, state)
+            return state, mean
+
+        return jax.lax.scan(step, state, None, length=steps)[1]
+
+    state = _replicate(transform.init(grads[0]))
+    means = np.asarray(jax.pmap(run, axis_name="i")(grads, state)[0], np.float64)
+    target = np.asarray(grads, np.float64).mean(0)
+    # Independent rounding per device: Var = sum_d (s |x_d| - x_d**2) / n**2.
+    x = np.asarray(grads, np.float64) / NUM_DEVICES
+    variance = (np.abs(x).max() * np.abs(x) - x**2).sum(0)
+    # Scale s is the max over devices of each step: the bound above is exact.
+    standard_error = np.sqrt(variance / steps)
+    assert np.all(np.abs(means.mean(0) - target) <= 5 * standard_error)
+
+
+def test_packed_codes_sum_exactly_for_any_number_of_devices():
+    for num_devices in (8, 128):
+        codes = jax.random.randint(
+            jax.random.key(num_devices), (num_devices, 257), -1, 2
+        ).astype(jnp.int8)
+        sums = jax.vmap(
+            lambda c, n=num_devices: _ternary._packed_psum(c, "i", n), axis_name="i"
+        )(codes)
+        np.testing.assert_array_equal(sums[0], codes.astype(jnp.int32).sum(0))
+
+
+def test_unbound_axis_is_a_clear_error():
+    transform = ga.ternary_average_across_devices("batch", 0)
+    with pytest.raises(NameError, match="axis name 'batch' is not bound"):
+        transform.update(PARAMS, transform.init(PARAMS))
+
+
+# --- ternary_accumulate -----------------------------------------------------------
+
+
+def test_accumulator_memory_and_dtypes():
+    params = {"w": jnp.zeros((256, 256)), "b": jnp.zeros((256,)), "c": jnp.zeros((3,))}
+    float_state = ga.MultiSteps(optax.sgd(0.1), 4).init(params)
+    ternary_state = ga.ternary_accumulate(optax.sgd(0.1), 4).init(params)
+    acc = ternary_state.acc_grads
+    assert (
+        acc.code_sums["w"].dtype == jnp.int8 and acc.code_sums["c"].dtype == jnp.float32
+    )
+    ratio = ga.state_nbytes(acc) / ga.state_nbytes(float_state.acc_grads)
+    assert ratio <= 0.3
+    np.testing.assert_allclose(ratio, (65792 + 12 + 8 + 8) / (4 * 65795), rtol=1e-12)
+    wide = ga.ternary_accumulate(optax.sgd(0.1), 200).init(params).acc_grads
+    assert wide.code_sums["w"].dtype == jnp.int16
+    scheduled = ga.ternary_accumulate(optax.sgd(0.1), lambda step: 4)
+    assert scheduled.init(params).acc_grads.code_sums["w"].dtype == jnp.int16
+    bounded = ga.ternary_accumulate(optax.sgd(0.1), lambda step: 4, max_every_k=8)
+    assert bounded.init(params).acc_grads.code_sums["w"].dtype == jnp.int8
+
+
+def test_window_sum_is_unbiased_when_the_scale_grows():
+    # Later, larger and weighted micro-batches: the scale grows twice, so
+    # the code sums are re-rounded; the window sum must stay unbiased.
+    base = _heavy_tailed(0, 300)
+    grads = [base, -3.0 * base[::-1], 0.5 * base**2]
+    weights = [1.0, 2.0, 0.5]
+    accumulator = _ternary._ternary_window_accumulator(0, None)
+
+    def window(key_data):
+        acc = accumulator.init(base)._replace(key=key_data)
+        for g, w in zip(grads, weights, strict=True):
+            acc = accumulator.add(acc, g, jnp.float32(w))
+        return accumulator.total(acc)
+
+    keys = jax.vmap(jax.random.key_data)(jax.random.split(jax.random.key(1), 4096))
+    totals = np.asarray(jax.jit(jax.vmap(window))(keys), np.float64)
+    target = sum(
+        w * np.asarray(g, np.float64) for g, w in zip(grads, weights, strict=True)
+    )
+    standard_error = totals.std(0) / np.sqrt(len(totals))
+    z = (totals.mean(0) - target) / standard_error
+    assert np.all(np.abs(z) < 5)
+    assert 0.7 < np.mean(z**2) < 1.3
+
+
+def test_ternary_accumulate_emits_through_the_engine():
+    # Entries of equal magnitude ternarize exactly: the emitted update is
+    # then the exact window mean, which checks the plumbing.
+    params = {"w": jnp.zeros((32, 32)), "b": jnp.zeros((5,))}
+    signs = jnp.sign(_normal(0, (32, 32)))
+    grads = {"w": 0.25 * signs, "b": jnp.arange(5.0)}
+    opt = ga.ternary_accumulate(optax.sgd(1.0), 3, clip_sigma=None)
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    for _ in range(2):
+        updates, state = update(grads, state, params)
+        assert not np.any(updates["w"])
+    updates, state = update(grads, state, params)
+    np.testing.assert_allclose(updates["w"], -grads["w"], rtol=1e-6)
+    np.testing.assert_allclose(updates["b"], -grads["b"], rtol=1e-6)
+    assert not np.any(state.acc_grads.code_sums["w"])
+    assert float(state.acc_grads.scales["w"]) == 0.0
+
+
+def test_a_non_finite_micro_batch_spoils_only_its_window():
+    params = {"w": jnp.zeros((32, 32))}
+    opt = ga.ternary_accumulate(optax.sgd(1.0), 2)
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    grads = _random_like(params, 0)
+    updates, state = update(
+        jax.tree.map(lambda g: g.at[0, 0].set(jnp.nan), grads), state
+    )
+    updates, state = update(grads, state)
+    assert np.all(np.isnan(updates["w"]))
+    for _ in range(2):
+        updates, state = update(grads, state)
+    assert np.all(np.isfinite(updates["w"])) and np.any(updates["w"])
+
+
+def test_a_skipped_micro_batch_leaves_the_window_as_it_was():
+    params = {"w": jnp.zeros((32, 32))}
+    opt = ga.ternary_accumulate(
+        optax.sgd(1.0), 2, should_skip_update_fn=ga.skip_not_finite
+    )
+    grads = _random_like(params, 0)
+    state = opt.init(params)
+    _, state = opt.update(grads, state)
+    nan_grads = jax.tree.map(lambda g: g.at[0, 0].set(jnp.nan), grads)
+    _, skipped = opt.update(nan_grads, state)
+    chex.assert_trees_all_equal(skipped.acc_grads, state.acc_grads)
+
+
+# --- state_nbytes and errors ----------------------------------------------------
+
+
+def test_state_nbytes_counts_real_arrays():
+    tree = {
+        "codes": jnp.zeros((10, 3), jnp.int8),
+        "scale": np.float32(1.0),
+        "shape_only": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16),
+        "key": jax.random.key(0),
+        "masked": optax.MaskedNode(),
+        "count": 3,
+    }
+    assert ga.state_nbytes(tree) == 30 + 4 + 32 + 8
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: ga.ternarize(-1), r"`seed` must be an integer in \[0, 4294967295\]"),
+        (lambda: ga.ternarize(1.5), "`seed` must be an integer in"),
+        (lambda: ga.ternarize(2**32), r"2\*\*32 - 1"),
+        (lambda: ga.ternarize(0, stochastic="False"), "`stochastic` must be a bool"),
+        (
+            lambda: ga.ternary_average_across_devices("i", 0, error_feedback=None),
+            "`error_feedback` must be a bool",
+        ),
+        (lambda: ga.ternarize(0, clip_sigma=0.0), "`clip_sigma` must be a positive"),
+        (lambda: ga.ternarize(0, clip_sigma=float("nan")), "`clip_sigma`"),
+        (lambda: ga.ternarize(0, min_size=-1), "`min_size` must be an integer >= 0"),
+        (lambda: ga.ternary_quantize(jnp.ones(3), clip_sigma=-1.0), "`clip_sigma`"),
+        (lambda: ga.ternary_quantize(jnp.ones(3, jnp.int32)), "floating-point"),
+        (lambda: ga.ternary_average_across_devices("", 0), "`axis_name`"),
+        (lambda: ga.ternary_average_across_devices("i", None), "`seed`"),
+        (lambda: ga.ternary_accumulate(optax.sgd(1.0), 0), "`every_k` must be"),
+        (lambda: ga.ternary_accumulate(optax.sgd(1.0), 2.5), "`every_k` must be"),
+        (lambda: ga.ternary_accumulate(optax.sgd(1.0), 40000), "<= 32767"),
+        (
+            lambda: ga.ternary_accumulate(optax.sgd(1.0), lambda s: 4, max_every_k=0),
+            "`max_every_k`",
+        ),
+        (
+            lambda: ga.ternary_accumulate(optax.sgd(1.0), 4, clip_sigma=0.0),
+            "`clip_sigma`",
+        ),
+    ],
+)
+def test_bad_configuration_is_a_value_error(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_bad_inputs_name_the_leaf():
+    transform = ga.ternarize(0)
+    state = transform.init(PARAMS)
+    wrong_shape = {**PARAMS, "w1": jnp.zeros((64, 65))}
+    with pytest.raises(ValueError, match=r"\['w1'\] has shape \(64, 65\)"):
+        transform.update(wrong_shape, state)
+    with pytest.raises(ValueError, match=r"missing leaves \[\"\['b2'\]\"\]"):
+        transform.update({k: v for k, v in PARAMS.items() if k != "b2"}, state)
+    integer = {**PARAMS, "b1": jnp.zeros((64,), jnp.int32)}
+    with pytest.raises(ValueError, match=r"\['b1'\] has dtype int32"):
+        transform.update(integer, state)
+    average = ga.ternary_average_across_devices("i", 0)
+    with pytest.raises(ValueError, match="`weight` must be a scalar"):
+        jax.pmap(lambda g, s: average.update(g, s, weight=jnp.ones(2)), axis_name="i")(
+            _random_like(PARAMS, 0, (NUM_DEVICES,)), _replicate(average.init(PARAMS))
+        )
