@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import _headline
 import gradaccum_jax
 
 
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=16_000_000)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--windows", type=int, default=5)
+    _headline.add_argument(parser)
     args = parser.parse_args()
 
     params = make_params(args.params)
@@ -159,6 +161,16 @@ def main() -> None:
     print(f"| micro-step, ours / floor | {ours[0] / floor:.2f} | <= 5.00 |")
     print(f"| window, ours / optax | {ours[2] / ref[2]:.2f} | <= 0.50 |")
     print(f"| temporaries, ours / optax | {ours[3] / max(ref[3], 1):.2f} | <= 1.00 |")
+    _headline.write(
+        args.json,
+        "accumulation",
+        {
+            "micro-step, ours / optax.MultiSteps": (ours[0] / ref[0], 0.3),
+            "micro-step, ours / floor": (ours[0] / floor, 5.0),
+            "window, ours / optax.MultiSteps": (ours[2] / ref[2], 0.5),
+            "temporaries, ours / optax.MultiSteps": (ours[3] / max(ref[3], 1), 1.0),
+        },
+    )
 
 
 if __name__ == "__main__":

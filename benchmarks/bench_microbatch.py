@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import _headline
 from gradaccum_jax import microbatched_value_and_grad
 
 MICROBATCH_COUNTS = (1, 2, 4, 8)
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--classes", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=9)
+    _headline.add_argument(parser)
     args = parser.parse_args()
 
     key_params, key_x, key_y = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -140,6 +142,14 @@ def main() -> None:
         f"{'met' if memory_ok else 'MISSED'} ({eight_bytes / full_bytes:.2f}x); "
         f"step time <= 1.3x: {'met' if time_ok else 'MISSED'} "
         f"({eight_seconds / full_seconds:.2f}x)."
+    )
+    _headline.write(
+        args.json,
+        "micro-batching",
+        {
+            "temp memory, m=8 / full batch": (eight_bytes / full_bytes, 0.35),
+            "step time, m=8 / full batch": (eight_seconds / full_seconds, 1.3),
+        },
     )
 
 

@@ -39,6 +39,7 @@ import optax  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
+import _headline  # noqa: E402
 import gradaccum_jax as ga  # noqa: E402
 
 NUM_DEVICES = 8
@@ -185,6 +186,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=30)
+    _headline.add_argument(parser)
     args = parser.parse_args()
     seeds = list(range(args.seeds))
     start = time.time()
@@ -212,6 +214,9 @@ def main():
     }
 
     rows = []
+    mean_accuracy = {}
+    wire_ratio = {}
+    memory_ratio = {}
     float_wire = {name: None for name in ("mlp", "large")}
     for name, averaging_fn in averaging.items():
         wire = {
@@ -220,6 +225,8 @@ def main():
         if float_wire["mlp"] is None:
             float_wire = wire
         accuracies = train_data_parallel(averaging_fn, data, seeds, args.epochs)
+        mean_accuracy[name] = 100 * float(np.mean(accuracies))
+        wire_ratio[name] = wire["large"] / float_wire["large"]
         rows.append(
             (
                 f"8 devices: {name}",
@@ -235,6 +242,8 @@ def main():
         if float_acc is None:
             float_acc = (acc_mlp, acc_large)
         accuracies = train_accumulating(opt, data, seeds, args.epochs, every_k)
+        mean_accuracy[name] = 100 * float(np.mean(accuracies))
+        memory_ratio[name] = acc_large / float_acc[1]
         rows.append(
             (
                 f"1 device, k={every_k}: {name}",
@@ -265,6 +274,24 @@ def main():
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"\n({time.time() - start:.0f} s)")
+    ternary_mean = "ternary (clip 2.5, error feedback)"
+    ternary_acc = "ternary_accumulate (clip 2.5)"
+    _headline.write(
+        args.json,
+        "ternary",
+        {
+            "wire bytes, ternary mean / float32 psum": (wire_ratio[ternary_mean], 0.25),
+            "accumulator bytes, ternary / float32": (memory_ratio[ternary_acc], 0.3),
+            "accuracy loss, ternary mean (points)": (
+                mean_accuracy["float32 pmean"] - mean_accuracy[ternary_mean],
+                1.0,
+            ),
+            "accuracy loss, ternary_accumulate (points)": (
+                mean_accuracy["float32 MultiSteps"] - mean_accuracy[ternary_acc],
+                1.0,
+            ),
+        },
+    )
 
 
 if __name__ == "__main__":
