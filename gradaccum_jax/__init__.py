@@ -48,4 +48,29 @@ from gradaccum_jax._microbatching import microbatched_value_and_grad
 
 __version__ = "0.1.0"
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [
+    "accumulate",
+    "AccumulationStats",
+    "all_reduce_nbytes",
+    "average_across_devices",
+    "clip",
+    "clip_by_global_norm",
+    "ClipByGlobalNormState",
+    "float_accumulator",
+    "global_norm",
+    "microbatched_value_and_grad",
+    "MultiSteps",
+    "MultiStepsState",
+    "ShouldSkipUpdateFunction",
+    "skip_large_updates",
+    "skip_not_finite",
+    "state_nbytes",
+    "ternarize",
+    "ternary_accumulate",
+    "ternary_average_across_devices",
+    "ternary_dequantize",
+    "ternary_quantize",
+    "TernaryAccumulatorState",
+    "TernaryState",
+    "WindowAccumulator",
+]
