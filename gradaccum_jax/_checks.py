@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,13 +20,22 @@ import numpy as np
 
 def positive_int(name: str, value: Any) -> int:
     """Returns ``value`` as an int, or raises if it is not an integer >= 1."""
+    return _integer_at_least(name, value, 1)
+
+
+def nonnegative_int(name: str, value: Any) -> int:
+    """Returns ``value`` as an int, or raises if it is not an integer >= 0."""
+    return _integer_at_least(name, value, 0)
+
+
+def _integer_at_least(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(
-            f"`{name}` must be an integer >= 1, got {value!r} "
+            f"`{name}` must be an integer >= {minimum}, got {value!r} "
             f"of type {type(value).__name__}."
         )
-    if value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {value}.")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value}.")
     return int(value)
 
 
@@ -42,18 +52,6 @@ def positive_finite(name: str, value: Any) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be a positive finite number, got {value}.")
     return float(value)
-
-
-def nonnegative_int(name: str, value: Any) -> int:
-    """Returns ``value`` as an int, or raises if it is not an integer >= 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(
-            f"`{name}` must be an integer >= 0, got {value!r} "
-            f"of type {type(value).__name__}."
-        )
-    if value < 0:
-        raise ValueError(f"`{name}` must be an integer >= 0, got {value}.")
-    return int(value)
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -138,13 +136,22 @@ def bound_axis_size(axis: Any, caller: str) -> int:
         ) from error
 
 
-def same_structure(tree: Any, reference: Any, what: str, reference_name: str) -> None:
+def same_structure(
+    tree: Any,
+    reference: Any,
+    what: str,
+    reference_name: str,
+    *,
+    placeholder: Callable[[Any], bool] | None = None,
+) -> None:
     """Raises if ``tree`` and ``reference`` differ in structure or leaf shapes.
 
-    The message names the first leaf whose path or shape differs.
+    The message names the first leaf whose path or shape differs. Leaves of
+    ``reference`` for which ``placeholder`` is true (e.g. ``optax.MaskedNode``
+    where a state keeps nothing) match a leaf of any shape.
     """
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    ref_leaves = jax.tree_util.tree_flatten_with_path(reference)[0]
+    ref_leaves = jax.tree_util.tree_flatten_with_path(reference, is_leaf=placeholder)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in leaves]
     ref_paths = [jax.tree_util.keystr(p) for p, _ in ref_leaves]
     if paths != ref_paths:
@@ -154,9 +161,12 @@ def same_structure(tree: Any, reference: Any, what: str, reference_name: str) ->
             f"{what} do not have the structure of {reference_name}: "
             f"missing leaves {missing or 'none'}, unexpected leaves "
             f"{extra or 'none'}. Expected structure "
-            f"{jax.tree.structure(reference)}, got {jax.tree.structure(tree)}."
+            f"{jax.tree.structure(reference, is_leaf=placeholder)}, got "
+            f"{jax.tree.structure(tree)}."
         )
     for (path, leaf), (_, ref_leaf) in zip(leaves, ref_leaves, strict=True):
+        if placeholder is not None and placeholder(ref_leaf):
+            continue
         if np.shape(leaf) != np.shape(ref_leaf):
             raise ValueError(
                 f"{what} leaf {jax.tree_util.keystr(path)} has shape "

@@ -283,24 +283,13 @@ def _check_updates(updates: Any, template: Any, caller: str) -> None:
     leaves whose shape the state does not record.
     """
     _checks.floating_leaves(updates, f"{caller}: updates")
-    leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
-    ref_leaves = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_masked)[0]
-    if [p for p, _ in leaves] != [p for p, _ in ref_leaves]:
-        paths = [jax.tree_util.keystr(p) for p, _ in leaves]
-        ref_paths = [jax.tree_util.keystr(p) for p, _ in ref_leaves]
-        raise ValueError(
-            f"{caller}: updates do not have the structure of the parameters the "
-            f"state was initialized with: missing leaves "
-            f"{sorted(set(ref_paths) - set(paths)) or 'none'}, unexpected leaves "
-            f"{sorted(set(paths) - set(ref_paths)) or 'none'}."
-        )
-    for (path, leaf), (_, ref_leaf) in zip(leaves, ref_leaves, strict=True):
-        if not _is_masked(ref_leaf) and np.shape(leaf) != np.shape(ref_leaf):
-            raise ValueError(
-                f"{caller}: updates leaf {jax.tree_util.keystr(path)} has shape "
-                f"{np.shape(leaf)}, but the state was initialized for shape "
-                f"{np.shape(ref_leaf)}."
-            )
+    _checks.same_structure(
+        updates,
+        template,
+        f"{caller}: updates",
+        "the parameters the state was initialized with",
+        placeholder=_is_masked,
+    )
 
 
 def _unzip(reference: Any, pairs: Any) -> tuple[Any, Any]:
