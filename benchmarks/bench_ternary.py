@@ -95,17 +95,11 @@ def accuracy(params, x, y):
 # --- data parallel ---------------------------------------------------------------
 
 
-def train_data_parallel(averaging, data, seeds, epochs):
-    """Test accuracy per seed, training data-parallel on 8 devices."""
+def trainer(opt, data):
+    """``train_one(seed, batch_indices) -> test accuracy`` for optimizer ``opt``."""
     x_train, x_test, y_train, y_test = data
-    opt = optax.chain(averaging, optax.adam(LEARNING_RATE))
-    global_batch = NUM_DEVICES * PER_DEVICE_BATCH
-    indices = batch_indices(seeds, len(x_train), epochs, global_batch)
-    # (devices, seeds, steps, per-device batch): each device its own slice.
-    indices = indices.reshape(len(seeds), indices.shape[1], NUM_DEVICES, -1)
-    indices = jnp.asarray(indices.transpose(2, 0, 1, 3))
 
-    def train_one(seed, steps):
+    def train_one(seed, batches):
         params = init_mlp(jax.random.key(seed))
 
         def step(carry, idx):
@@ -114,9 +108,20 @@ def train_data_parallel(averaging, data, seeds, epochs):
             updates, opt_state = opt.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), None
 
-        (params, _), _ = jax.lax.scan(step, (params, opt.init(params)), steps)
+        (params, _), _ = jax.lax.scan(step, (params, opt.init(params)), batches)
         return accuracy(params, x_test, y_test)
 
+    return train_one
+
+
+def train_data_parallel(averaging, data, seeds, epochs):
+    """Test accuracy per seed, training data-parallel on 8 devices."""
+    train_one = trainer(optax.chain(averaging, optax.adam(LEARNING_RATE)), data)
+    global_batch = NUM_DEVICES * PER_DEVICE_BATCH
+    indices = batch_indices(seeds, len(data[0]), epochs, global_batch)
+    # (devices, seeds, steps, per-device batch): each device its own slice.
+    indices = indices.reshape(len(seeds), indices.shape[1], NUM_DEVICES, -1)
+    indices = jnp.asarray(indices.transpose(2, 0, 1, 3))
     run = jax.pmap(jax.vmap(train_one), axis_name="i", in_axes=(None, 0))
     accuracies = run(jnp.asarray(seeds), indices)
     # Every device holds the same params; the test is on device 0's copy.
@@ -128,22 +133,9 @@ def train_data_parallel(averaging, data, seeds, epochs):
 
 def train_accumulating(opt, data, seeds, epochs, every_k=NUM_DEVICES):
     """Test accuracy per seed, accumulating every_k micro-batches per update."""
-    x_train, x_test, y_train, y_test = data
-    indices = batch_indices(seeds, len(x_train), epochs, every_k * PER_DEVICE_BATCH)
+    indices = batch_indices(seeds, len(data[0]), epochs, every_k * PER_DEVICE_BATCH)
     indices = jnp.asarray(indices.reshape(len(seeds), -1, PER_DEVICE_BATCH))
-
-    def train_one(seed, micro_batches):
-        params = init_mlp(jax.random.key(seed))
-
-        def step(carry, idx):
-            params, opt_state = carry
-            grads = jax.grad(loss_fn)(params, x_train[idx], y_train[idx])
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), None
-
-        (params, _), _ = jax.lax.scan(step, (params, opt.init(params)), micro_batches)
-        return accuracy(params, x_test, y_test)
-
+    train_one = trainer(opt, data)
     return np.asarray(jax.jit(jax.vmap(train_one))(jnp.asarray(seeds), indices))
 
 
