@@ -162,6 +162,22 @@ def accumulator_bytes(opt, params):
     return ga.state_nbytes(state.acc_grads)
 
 
+def micro_step_ms(opt, params, every_k, windows=2):
+    """Median time of one ``update`` call (state donated), over whole windows."""
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
+    grads = jax.tree.map(
+        lambda a: jax.random.normal(jax.random.key(1), a.shape, a.dtype), params
+    )
+    update = jax.jit(lambda g, s: opt.update(g, s, params)[1], donate_argnums=1)
+    state = update(grads, opt.init(params))  # compile
+    times = []
+    for _ in range(windows * every_k):
+        begin = time.perf_counter()
+        state = jax.block_until_ready(update(grads, state))
+        times.append(time.perf_counter() - begin)
+    return 1e3 * float(np.median(times))
+
+
 def float_pmean():
     def update_fn(updates, state, params=None):
         return jax.lax.pmean(updates, "i"), state
@@ -225,12 +241,14 @@ def main():
                 f"{wire['mlp']} ({wire['mlp'] / float_wire['mlp']:.3f}x)",
                 f"{wire['large'] / float_wire['large']:.3f}x",
                 "",
+                "",
                 summary(accuracies),
             )
         )
     float_acc = None
     for name, opt in accumulating.items():
         acc_mlp, acc_large = accumulator_bytes(opt, mlp), accumulator_bytes(opt, large)
+        step_ms = micro_step_ms(opt, large, every_k)
         if float_acc is None:
             float_acc = (acc_mlp, acc_large)
         accuracies = train_accumulating(opt, data, seeds, args.epochs, every_k)
@@ -243,6 +261,7 @@ def main():
                 "",
                 f"{acc_mlp} ({acc_mlp / float_acc[0]:.3f}x); "
                 f"4M: {acc_large / float_acc[1]:.3f}x",
+                f"{step_ms:.1f}",
                 summary(accuracies),
             )
         )
@@ -259,6 +278,7 @@ def main():
         "wire bytes/step, MLP",
         "wire, 4M params",
         "accumulator bytes",
+        "micro-step ms, 4M params",
         "test acc % mean (min..max)",
     )
     print("| " + " | ".join(header) + " |")

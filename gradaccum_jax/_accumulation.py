@@ -113,6 +113,8 @@ class MultiStepsState(NamedTuple):
       inner_opt_state: the wrapped optimizer's state.
       acc_grads: the window's accumulated (weighted) gradient sum, in the
         layout of the `WindowAccumulator` (a tree like the params by default).
+        Meaningful while ``mini_step > 0``: after an emission it holds the
+        emitted updates until the next micro-batch resets it.
       skip_state: what ``should_skip_update_fn`` returned last.
       acc_weight: the window's total weight, float32.
       micro_steps: micro-batches accepted since init.
@@ -440,14 +442,16 @@ class MultiSteps:
         # that does not emit allocates and copies nothing.
         acc_leaves, acc_def = jax.tree.flatten(state.acc_grads)
         slot_shapes, updates_def = jax.tree.flatten(updates_shape)
+        # in_acc[i]: accumulator leaf i holds update leaf i (same index, as
+        # the trees have one structure).
         in_acc = [
-            acc_def == updates_def and _same_layout(acc_leaf, slot_shapes[i])
-            for i, acc_leaf in enumerate(acc_leaves)
+            acc_def == updates_def and _same_layout(leaf, slot_shapes[i])
+            for i, leaf in enumerate(acc_leaves)
         ]
         scratch_leaves = _leaves_if_structured_like(scratch, updates_def)
         slot = [
             acc_leaves[i]
-            if acc_def == updates_def and in_acc[i]
+            if i < len(in_acc) and in_acc[i]
             else _reuse_or_zeros(scratch_leaves[i], shape)
             for i, shape in enumerate(slot_shapes)
         ]

@@ -201,7 +201,16 @@ def test_bad_argument_raises_value_error_naming_it_and_its_range(row, bad):
 
 def test_valid_arguments_construct():
     for name, kwargs in VALID.items():
-        getattr(ga, name)(**kwargs)
+        built = getattr(ga, name)(**kwargs)
+        if name == "ternary_quantize":
+            codes, scale = built
+            assert (codes.dtype, scale.dtype) == (jnp.int8, jnp.float32)
+        elif name == "float_accumulator":
+            assert isinstance(built, ga.WindowAccumulator)
+        elif name == "microbatched_value_and_grad":
+            assert callable(built)
+        else:  # a transformation (MultiSteps is one with methods)
+            assert callable(built.init) and callable(built.update), name
 
 
 def _public_callables() -> set[str]:
