@@ -6,20 +6,20 @@ one) over pytrees with an immutable NamedTuple state: jit-able, scan-able,
 pmap-able and checkpointable, and chainable with any optax optimizer.
 """
 
-# --- accumulation (DESIGN.md section 1) ---
+# --- accumulation ---
 from gradaccum_jax._accumulation import (
     AccumulationStats,
+    AccumulationTransformation,
     MultiSteps,
     MultiStepsState,
     ShouldSkipUpdateFunction,
-    WindowAccumulator,
     accumulate,
-    float_accumulator,
     skip_large_updates,
     skip_not_finite,
 )
+from gradaccum_jax._window import WindowAccumulator, float_accumulator
 
-# --- clipping (DESIGN.md section 2) ---
+# --- clipping ---
 from gradaccum_jax._clipping import (
     ClipByGlobalNormState,
     clip,
@@ -27,15 +27,13 @@ from gradaccum_jax._clipping import (
     global_norm,
 )
 
-# --- averaging across devices (DESIGN.md section 3) ---
+# --- averaging across devices ---
 from gradaccum_jax._averaging import average_across_devices
 
-# --- ternary compression (DESIGN.md section 4) ---
+# --- ternary compression ---
 from gradaccum_jax._ternary import (
     TernaryAccumulatorState,
     TernaryState,
-    all_reduce_nbytes,
-    state_nbytes,
     ternarize,
     ternary_accumulate,
     ternary_average_across_devices,
@@ -43,7 +41,10 @@ from gradaccum_jax._ternary import (
     ternary_quantize,
 )
 
-# --- micro-batching inside one step (DESIGN.md section 5) ---
+# --- measurement ---
+from gradaccum_jax._measure import all_reduce_nbytes, state_nbytes
+
+# --- micro-batching inside one step ---
 from gradaccum_jax._microbatching import microbatched_value_and_grad
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __version__ = "0.1.0"
 __all__ = [
     "accumulate",
     "AccumulationStats",
+    "AccumulationTransformation",
     "all_reduce_nbytes",
     "average_across_devices",
     "clip",

@@ -20,6 +20,7 @@ int8 codes instead, with the same engine.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _weights
 from gradaccum_jax._control import run_if
+from gradaccum_jax._window import WindowAccumulator, float_accumulator
 
 # The skip functions are optax's own: same signatures, same skip_state.
 ShouldSkipUpdateFunction = optax.ShouldSkipUpdateFunction
@@ -37,71 +39,6 @@ skip_not_finite = optax.skip_not_finite
 skip_large_updates = optax.skip_large_updates
 
 Schedule = int | Callable[[jax.Array], jax.Array]
-
-
-class WindowAccumulator(NamedTuple):
-    """How one window's weighted gradient sum is stored.
-
-    Attributes:
-      init: ``init(params) -> acc``, the empty window for these params.
-      add: ``add(acc, grads, weight) -> acc``, adds ``weight * grads``;
-        ``weight`` is a float32 scalar. A zero weight must leave ``acc``
-        unchanged even when ``grads`` holds NaN or Inf: that is how skipped
-        micro-batches are dropped.
-      total: ``total(acc) -> tree``, the window's weighted sum
-        ``sum_i w_i g_i`` as floating arrays shaped like the params.
-      reset: ``reset(acc) -> acc``, the empty window again (an accumulator
-        may carry things across windows, such as a PRNG key).
-
-    The engine resets lazily: the first ``add`` of a window sees
-    ``reset(acc)``. When ``acc`` has the tree structure of the updates, its
-    contents between an emission and the next ``add`` are unspecified: the
-    engine computes the emitted updates into those buffers.
-    """
-
-    init: Callable[[Any], Any]
-    add: Callable[[Any, Any, jax.Array], Any]
-    total: Callable[[Any], Any]
-    reset: Callable[[Any], Any]
-
-
-def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
-    """The window sum kept as one floating array per parameter.
-
-    Args:
-      dtype: floating dtype of the sum (``accumulator_dtype``).
-
-    Returns:
-      A `WindowAccumulator` whose state is a tree shaped like the params.
-    """
-    dtype = _checks.float_dtype("dtype", dtype)
-
-    def init(params):
-        return optax.tree.zeros_like(params, dtype=dtype)
-
-    def add(acc, grads, weight):
-        _checks.same_structure(
-            grads, acc, "gradients", "the accumulator (built from the params at init)"
-        )
-        weight = weight.astype(dtype)
-        # A select on the weight, not only a multiply by it: a zero-weight
-        # micro-batch (skipped, or all padding with a 0/0 loss) may hold NaNs,
-        # and 0 * NaN is NaN.
-        return jax.tree.map(
-            lambda a, g: jnp.where(weight != 0, a + weight * g.astype(dtype), a),
-            acc,
-            grads,
-        )
-
-    def total(acc):
-        return acc
-
-    def reset(acc):
-        # A fresh zero, not `0 * acc`: 0 * NaN is NaN, and a NaN micro-batch
-        # must not leak into the next window.
-        return jax.tree.map(jnp.zeros_like, acc)
-
-    return WindowAccumulator(init, add, total, reset)
 
 
 class MultiStepsState(NamedTuple):
@@ -190,6 +127,7 @@ class MultiSteps:
         should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
         accumulator_dtype: Any = jnp.float32,
         *,
+        skip_nonfinite: bool = False,
         count_skipped: bool = False,
         window_accumulator: WindowAccumulator | None = None,
     ):
@@ -207,6 +145,9 @@ class MultiSteps:
             micro-batch leaves the state as if it never happened, except
             ``skip_state``.
           accumulator_dtype: floating dtype of the window sum.
+          skip_nonfinite: shorthand for
+            ``should_skip_update_fn=skip_not_finite``: micro-batches whose
+            gradients hold NaN or Inf are skipped.
           count_skipped: if False (optax's behaviour), a skipped micro-batch
             is as if it never happened and the window waits for one more. If
             True, it takes its place in the window with weight 0, so every
@@ -231,10 +172,8 @@ class MultiSteps:
             )
         self._opt = optax.with_extra_args_support(_checks.transformation("opt", opt))
         self._use_grad_mean = _checks.boolean("use_grad_mean", use_grad_mean)
-        self._should_skip_update_fn = _checks.optional_callable(
-            "should_skip_update_fn",
-            should_skip_update_fn,
-            "fn(updates, gradient_step, params) -> (skip, skip_state)",
+        self._should_skip_update_fn = _skip_function(
+            should_skip_update_fn, skip_nonfinite
         )
         self._count_skipped = _checks.boolean("count_skipped", count_skipped)
         accumulator_dtype = _checks.float_dtype("accumulator_dtype", accumulator_dtype)
@@ -299,7 +238,7 @@ class MultiSteps:
         _checks.floating_leaves(updates, "gradients")
         if params is not None:
             _checks.same_structure(updates, params, "gradients", "params")
-        weight = _micro_batch_weight(weight)
+        weight = _weights.scalar_weight(weight, "MultiSteps.update")
 
         if self._should_skip_update_fn is None:
             accept = jnp.asarray(True)
@@ -400,21 +339,25 @@ class MultiSteps:
         # A foreign state (e.g. optax's own): optax's approximation.
         return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
 
-    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
-        """Returns ``(init, update)`` for use in `optax.chain` and friends."""
-        return optax.GradientTransformationExtraArgs(self.init, self.update)
+    def gradient_transformation(self) -> AccumulationTransformation:
+        """Returns ``(init, update)`` for use in `optax.chain` and friends.
+
+        The result is an `optax.GradientTransformationExtraArgs` (so a chain
+        passes ``weight=`` on to it) that also has this object's window
+        methods: `flush`, `reset`, `stats`, `has_updated`.
+        """
+        return AccumulationTransformation(self.init, self.update)
 
     def _emit_if(self, emit, state, grads_like, params, extra_args, scratch=None):
         """Runs the inner optimizer on the window's gradient iff ``emit``.
 
         On a step that does not emit, the loop does nothing and copies nothing;
         the updates it leaves are masked to zero after it, where XLA fuses the
-        mask into the caller's `optax.apply_updates`.
+        mask into the caller's `optax.apply_updates`. Where the updates are
+        computed is `_UpdateSlots`' business.
 
         ``scratch``, when given, is a dead tree (the micro-batch's gradients,
-        already added to the window) whose buffers may hold the updates: in a
-        train step the gradients are a temporary of the step, so no
-        parameter-sized buffer is allocated for the updates.
+        already added to the window) whose buffers may hold the updates.
         """
 
         def inner_update(acc, acc_weight, inner_state):
@@ -434,38 +377,7 @@ class MultiSteps:
         updates_shape, _ = jax.eval_shape(
             inner_update, state.acc_grads, state.acc_weight, state.inner_opt_state
         )
-
-        # Parameter-sized buffers that hold the updates: the accumulator's own
-        # where it is laid out like the updates (its contents are dead once
-        # the window is emitted, and the next window resets it lazily), else
-        # the dead micro-batch gradients, else fresh zeros. Either way a step
-        # that does not emit allocates and copies nothing.
-        acc_leaves, acc_def = jax.tree.flatten(state.acc_grads)
-        slot_shapes, updates_def = jax.tree.flatten(updates_shape)
-        # in_acc[i]: accumulator leaf i holds update leaf i (same index, as
-        # the trees have one structure).
-        in_acc = [
-            acc_def == updates_def and _same_layout(leaf, slot_shapes[i])
-            for i, leaf in enumerate(acc_leaves)
-        ]
-        scratch_leaves = _leaves_if_structured_like(scratch, updates_def)
-        slot = [
-            acc_leaves[i]
-            if i < len(in_acc) and in_acc[i]
-            else _reuse_or_zeros(scratch_leaves[i], shape)
-            for i, shape in enumerate(slot_shapes)
-        ]
-        kept_acc = [
-            leaf
-            for leaf, aliased in zip(acc_leaves, in_acc, strict=True)
-            if not aliased
-        ]
-
-        def merge_acc(slot, kept_acc):
-            kept = iter(kept_acc)
-            return acc_def.unflatten(
-                [slot[i] if aliased else next(kept) for i, aliased in enumerate(in_acc)]
-            )
+        slots = _UpdateSlots(state.acc_grads, updates_shape)
 
         # Everything the emitting work reads is threaded through the carry,
         # the window weight too: XLA hoists loop-invariant code out of while
@@ -473,27 +385,28 @@ class MultiSteps:
         # decode) would then run on every micro-step instead of once per
         # window.
         def emit_window(carry):
-            slot, kept_acc, acc_weight, inner_state = carry
-            acc = merge_acc(slot, kept_acc)
+            updates, rest, acc_weight, inner_state = carry
+            acc = slots.window(updates, rest)
             new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
-            fresh = jax.tree.leaves(self._accumulator.reset(acc))
             return (
                 jax.tree.leaves(new_updates),
-                [
-                    leaf
-                    for leaf, aliased in zip(fresh, in_acc, strict=True)
-                    if not aliased
-                ],
+                slots.rest(self._accumulator.reset(acc)),
                 jnp.zeros_like(acc_weight),
                 inner_state,
             )
 
-        slot, kept_acc, acc_weight, inner_state = run_if(
-            emit, emit_window, (slot, kept_acc, state.acc_weight, state.inner_opt_state)
+        updates, rest, acc_weight, inner_state = run_if(
+            emit,
+            emit_window,
+            (
+                slots.initial_updates(state.acc_grads, scratch),
+                slots.rest(state.acc_grads),
+                state.acc_weight,
+                state.inner_opt_state,
+            ),
         )
-        acc = merge_acc(slot, kept_acc)
-        new_updates = updates_def.unflatten(
-            [jnp.where(emit, u, jnp.zeros((), u.dtype)) for u in slot]
+        new_updates = slots.updates_tree(
+            [jnp.where(emit, u, jnp.zeros((), u.dtype)) for u in updates]
         )
         new_state = state._replace(
             mini_step=jnp.where(emit, 0, state.mini_step),
@@ -501,7 +414,7 @@ class MultiSteps:
                 emit, optax.safe_increment(state.gradient_step), state.gradient_step
             ),
             inner_opt_state=inner_state,
-            acc_grads=acc,
+            acc_grads=slots.window(updates, rest),
             acc_weight=acc_weight,
             emitted=emit,
         )
@@ -520,15 +433,74 @@ class MultiSteps:
         return optax.tree.cast_like(total, grads_like)
 
 
+class _UpdateSlots:
+    """Where an emission computes its updates: in the window's own buffers.
+
+    Once a window is emitted its sum is dead, and the next window resets it
+    lazily (its first ``add`` sees ``reset(acc)``). So each accumulator leaf
+    with the shape and dtype of the matching update leaf holds that update:
+    no parameter-sized buffer is allocated for the updates, in the step that
+    emits or in any other. Update leaves without such a twin (a ternary
+    window, a low-precision accumulator) take the dead micro-batch gradients
+    of the step, or fresh zeros.
+
+    The emission loop's carry is then ``(updates, rest)``: the update leaves
+    (some of them the window's) and the window leaves that hold no update.
+    `window` puts the two back together as the accumulator.
+    """
+
+    def __init__(self, acc: Any, updates_shape: Any):
+        acc_leaves, self._acc_def = jax.tree.flatten(acc)
+        self._update_shapes, self._updates_def = jax.tree.flatten(updates_shape)
+        same_tree = self._acc_def == self._updates_def
+        # holds_update[i]: accumulator leaf i holds update leaf i.
+        self._holds_update = [
+            same_tree and _same_layout(leaf, self._update_shapes[i])
+            for i, leaf in enumerate(acc_leaves)
+        ]
+
+    def initial_updates(self, acc: Any, scratch: Any) -> list[jax.Array]:
+        """The update buffers before the loop (their contents are never read)."""
+        acc_leaves = jax.tree.leaves(acc)
+        scratch_leaves = (
+            jax.tree.leaves(scratch)
+            if scratch is not None and jax.tree.structure(scratch) == self._updates_def
+            else [None] * len(self._update_shapes)
+        )
+        return [
+            acc_leaves[i]
+            if i < len(self._holds_update) and self._holds_update[i]
+            else _reuse_or_zeros(scratch_leaves[i], shape)
+            for i, shape in enumerate(self._update_shapes)
+        ]
+
+    def rest(self, acc: Any) -> list[Any]:
+        """The accumulator leaves that hold no update."""
+        return [
+            leaf
+            for leaf, holds in zip(
+                jax.tree.leaves(acc), self._holds_update, strict=True
+            )
+            if not holds
+        ]
+
+    def window(self, updates: list[jax.Array], rest: list[Any]) -> Any:
+        """The accumulator made of its update-holding leaves and the rest."""
+        rest_iter = iter(rest)
+        return self._acc_def.unflatten(
+            [
+                updates[i] if holds else next(rest_iter)
+                for i, holds in enumerate(self._holds_update)
+            ]
+        )
+
+    def updates_tree(self, updates: list[jax.Array]) -> Any:
+        """The update leaves as a tree shaped like the inner optimizer's output."""
+        return self._updates_def.unflatten(updates)
+
+
 def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
     return (jnp.shape(leaf), jnp.result_type(leaf)) == (shape.shape, shape.dtype)
-
-
-def _leaves_if_structured_like(tree: Any, treedef: Any) -> list[Any]:
-    """The leaves of ``tree`` if it has structure ``treedef``, else Nones."""
-    if tree is not None and jax.tree.structure(tree) == treedef:
-        return jax.tree.leaves(tree)
-    return [None] * treedef.num_leaves
 
 
 def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
@@ -544,58 +516,120 @@ def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.zeros(shape.shape, shape.dtype)
 
 
-def _micro_batch_weight(weight: jax.typing.ArrayLike | None) -> jax.Array:
-    """Returns a micro-batch weight as a float32 scalar (1 when not given)."""
-    if weight is None:
-        return jnp.ones([], jnp.float32)
-    weight = jnp.asarray(weight)
-    if weight.shape != ():
+def _skip_function(
+    should_skip_update_fn: ShouldSkipUpdateFunction | None, skip_nonfinite: bool
+) -> ShouldSkipUpdateFunction | None:
+    """The skip function from the two ways of asking for one."""
+    should_skip_update_fn = _checks.optional_callable(
+        "should_skip_update_fn",
+        should_skip_update_fn,
+        "fn(updates, gradient_step, params) -> (skip, skip_state)",
+    )
+    if not _checks.boolean("skip_nonfinite", skip_nonfinite):
+        return should_skip_update_fn
+    if should_skip_update_fn is not None:
         raise ValueError(
-            "`weight` must be a scalar (e.g. the micro-batch's number of "
-            f"examples), got an array of shape {weight.shape}."
+            "`skip_nonfinite=True` is shorthand for "
+            "`should_skip_update_fn=skip_not_finite`: pass one of them, not both "
+            f"(got should_skip_update_fn={should_skip_update_fn!r})."
         )
-    if not jnp.issubdtype(weight.dtype, jnp.number) or jnp.issubdtype(
-        weight.dtype, jnp.complexfloating
-    ):
-        raise ValueError(f"`weight` must be a real number, got dtype {weight.dtype}.")
-    return weight.astype(jnp.float32)
+    return skip_not_finite
+
+
+class AccumulationTransformation(optax.GradientTransformationExtraArgs):
+    """An accumulating transformation: ``(init, update)`` plus window controls.
+
+    Returned by `accumulate`, `gradaccum_jax.ternary_accumulate` and
+    `MultiSteps.gradient_transformation`. It is an
+    `optax.GradientTransformationExtraArgs`, so it goes into `optax.chain`
+    and receives ``weight=``; its methods act on its own state (for a chain,
+    the element of the chain's state tuple that belongs to it) exactly as
+    the `MultiSteps` methods of the same names.
+    """
+
+    __slots__ = ()
+
+    @property
+    def _engine(self) -> MultiSteps:
+        return self.update.__self__
+
+    @property
+    def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+        """The wrapped optimizer (with extra-argument support)."""
+        return self._engine.inner_opt
+
+    def flush(
+        self, state: MultiStepsState, params: optax.Params | None = None, **extra_args
+    ) -> tuple[optax.Updates, MultiStepsState]:
+        """See `MultiSteps.flush`."""
+        return self._engine.flush(state, params, **extra_args)
+
+    def reset(self, state: MultiStepsState) -> MultiStepsState:
+        """See `MultiSteps.reset`."""
+        return self._engine.reset(state)
+
+    def stats(self, state: MultiStepsState) -> AccumulationStats:
+        """See `MultiSteps.stats`."""
+        return self._engine.stats(state)
+
+    def has_updated(self, state: MultiStepsState) -> jax.Array:
+        """See `MultiSteps.has_updated`."""
+        return self._engine.has_updated(state)
+
+    def gradient_transformation(self) -> AccumulationTransformation:
+        """Returns itself, so code written for `MultiSteps` runs unchanged."""
+        return self
 
 
 def accumulate(
     opt: optax.GradientTransformation,
     every_k: Schedule,
     *,
-    average: bool = True,
-    accumulator_dtype: Any = jnp.float32,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     skip_nonfinite: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+    count_skipped: bool = True,
+    accumulator_dtype: Any = jnp.float32,
+    average: bool | None = None,
+) -> AccumulationTransformation:
     """Accumulation as a transformation, for use inside `optax.chain`.
 
     ``chain(clip_by_global_norm(c), accumulate(optax.adam(lr), k))`` clips
-    each micro-batch and then accumulates; the machinery and guarantees are
-    those of `MultiSteps`.
+    each micro-batch and then accumulates; the machinery, the keywords and
+    the guarantees are those of `MultiSteps`. The one default that differs
+    is ``count_skipped=True``: a transformation in a chain most often runs
+    under pmap / shard_map, where devices must close their windows together.
 
     Args:
       opt: the optimizer run on each window's gradient.
       every_k: micro-batches per update (int >= 1 or a schedule).
-      average: emit the (weighted) mean if True, the sum otherwise.
+      use_grad_mean: emit the (weighted) mean if True, the sum otherwise.
+      should_skip_update_fn: as in `MultiSteps`.
+      skip_nonfinite: shorthand for ``should_skip_update_fn=skip_not_finite``.
+      count_skipped: as in `MultiSteps`; True here, so skipped micro-batches
+        keep their place in the window and devices stay in step.
       accumulator_dtype: floating dtype of the window sum.
-      skip_nonfinite: give micro-batches whose gradients hold NaN or Inf
-        weight 0 (`skip_not_finite`). They still take their place in the
-        window (``count_skipped=True``), so devices stay in step under pmap.
+      average: deprecated spelling of ``use_grad_mean``.
 
     Returns:
-      An `optax.GradientTransformationExtraArgs` accepting ``weight=``.
+      An `AccumulationTransformation` accepting ``weight=``.
     """
+    if average is not None:
+        warnings.warn(
+            "accumulate(average=...) is deprecated: use use_grad_mean=..., the "
+            "keyword MultiSteps and ternary_accumulate take too.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        use_grad_mean = _checks.boolean("average", average)
     if not callable(every_k):
         _checks.positive_int("every_k", every_k)
-    average = _checks.boolean("average", average)
-    skip_nonfinite = _checks.boolean("skip_nonfinite", skip_nonfinite)
     return MultiSteps(
         opt,
         every_k,
-        use_grad_mean=average,
-        should_skip_update_fn=skip_not_finite if skip_nonfinite else None,
+        use_grad_mean=use_grad_mean,
+        should_skip_update_fn=should_skip_update_fn,
         accumulator_dtype=accumulator_dtype,
-        count_skipped=True,
+        skip_nonfinite=skip_nonfinite,
+        count_skipped=count_skipped,
     ).gradient_transformation()

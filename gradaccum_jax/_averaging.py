@@ -14,28 +14,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from gradaccum_jax import _checks
-
-
-def _local_share(weight: Any, axis_name: Any) -> jax.Array:
-    """Returns weight / psum(weight) as float32, and 0 where the total is 0."""
-    if np.ndim(weight) != 0:
-        raise ValueError(
-            "average_across_devices: `weight` must be a scalar per device (the "
-            f"number of examples behind this device's update), got shape "
-            f"{np.shape(weight)}. Under shard_map a weight sharded as "
-            "P(axis_name) arrives as a shape-(1,) block: pass `weight[0]`."
-        )
-    weight = jnp.asarray(weight, jnp.float32)
-    total = jax.lax.psum(weight, axis_name)
-    # A zero total (no device saw an example) must give zero updates, not
-    # 0/0 = NaN; the double `where` keeps the untaken branch's NaN out of
-    # gradients taken through this function.
-    safe_total = jnp.where(total > 0, total, 1.0)
-    return jnp.where(total > 0, weight / safe_total, 0.0)
+from gradaccum_jax import _checks, _weights
 
 
 def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraArgs:
@@ -111,13 +92,14 @@ def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraA
         _checks.bound_axis_size(axis_name, "average_across_devices")
         if weight is None:
             return jax.lax.pmean(updates, axis_name), state
-        share = _local_share(weight, axis_name)
+        weight = _weights.scalar_weight(weight, "average_across_devices")
+        share, _ = _weights.share(weight, jax.lax.psum(weight, axis_name))
 
         def weighted_leaf(leaf: jax.Array) -> jax.Array:
             # Scale in float32 and round once: a bfloat16 share such as
             # 37/300 would itself be off by up to 0.2%.
             wide = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
-            return jnp.where(share > 0, wide * share, 0).astype(leaf.dtype)
+            return jnp.where(share != 0, wide * share, 0).astype(leaf.dtype)
 
         return jax.lax.psum(jax.tree.map(weighted_leaf, updates), axis_name), state
 

@@ -1,4 +1,4 @@
-"""Micro-batching inside one jitted step (DESIGN.md section 5).
+"""Micro-batching inside one jitted step.
 
 ``microbatched_value_and_grad`` is a drop-in replacement for
 ``jax.value_and_grad`` that splits the batch into micro-batches and sums
@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _weights
 from gradaccum_jax._tree import vary_over, varying_axes
 
 _KEY_ARG = "key"
@@ -230,91 +230,129 @@ def microbatched_value_and_grad(
     @functools.wraps(loss_fn)
     def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         _batch_size(batch, num_microbatches)
-        key_in_args = key_position is not None and 0 <= key_position - 2 < len(args)
-        if key_in_args:
-            key = args[key_position - 2]
-        elif key_position is not None:
-            key = kwargs.get(_KEY_ARG)
-        else:
-            key = None
-
-        def microbatch_value_and_grad(microbatch: Any, index: jax.Array) -> Any:
-            call_args, call_kwargs = list(args), dict(kwargs)
-            if key is not None:
-                # fold_in gives independent streams per micro-batch and works
-                # for raw uint32 keys and typed keys alike.
-                microbatch_key = jax.random.fold_in(key, index)
-                if key_in_args:
-                    call_args[key_position - 2] = microbatch_key
-                else:
-                    call_kwargs[_KEY_ARG] = microbatch_key
-            return value_and_grad_fn(params, microbatch, *call_args, **call_kwargs)
+        call = _MicrobatchCall(value_and_grad_fn, params, args, kwargs, key_position)
 
         def weight_of(microbatch: Any) -> jax.Array:
             if weight_fn is None:
-                return jnp.ones((), accumulator_dtype)
-            weight = weight_fn(microbatch)
-            if jnp.shape(weight) != ():
-                raise ValueError(
-                    "`weight_fn` must return a scalar weight per micro-batch, "
-                    f"got shape {jnp.shape(weight)}. Reduce it, e.g. "
-                    "`lambda mb: mb['mask'].sum()`."
-                )
-            return jnp.asarray(weight, accumulator_dtype)
+                return jnp.ones((), jnp.float32)
+            return _microbatch_weight(weight_fn(microbatch))
 
-        microbatches = _split(batch, num_microbatches)
-        first_microbatch = jax.tree.map(lambda leaf: leaf[0], microbatches)
-        # Shapes and dtypes of one micro-batch's outputs, to build the
-        # accumulators without running anything.
-        value_shape, grads_shape = jax.eval_shape(
-            microbatch_value_and_grad, first_microbatch, jnp.zeros((), jnp.uint32)
+        sums = _weighted_sums(
+            call, weight_of, _split(batch, num_microbatches), accumulator_dtype
         )
-        weight_shape = jax.eval_shape(weight_of, first_microbatch)
-
-        def accumulate(carry: Any, scanned: Any) -> Any:
-            acc_value, acc_grads, total_weight = carry
-            microbatch, index = scanned
-            value, grads = microbatch_value_and_grad(microbatch, index)
-            weight = weight_of(microbatch)
-
-            def add(acc: jax.Array, new: jax.Array) -> jax.Array:
-                contribution = weight * new.astype(acc.dtype)
-                if weight_fn is not None:
-                    # A micro-batch without valid examples often has a NaN
-                    # loss (0 / 0); weight 0 must drop it, and 0 * NaN = NaN.
-                    contribution = jnp.where(weight != 0, contribution, 0)
-                return acc + contribution
-
-            acc_value = jax.tree.map(add, acc_value, value)
-            acc_grads = jax.tree.map(add, acc_grads, grads)
-            return (acc_value, acc_grads, total_weight + weight), None
-
-        init = (
-            _zeros(value_shape, accumulator_dtype),
-            _zeros(grads_shape, accumulator_dtype),
-            _zeros(weight_shape, accumulator_dtype),
-        )
-        if num_microbatches == 1:
-            # A one-step scan still keeps a copy of the carry and the loop
-            # buffers alive (about 1.1x the plain temp memory on CPU); the
-            # direct call lets XLA fold the zero accumulators away.
-            carry, _ = accumulate(init, (first_microbatch, jnp.uint32(0)))
-        else:
-            indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
-            carry, _ = jax.lax.scan(accumulate, init, (microbatches, indices))
-        acc_value, acc_grads, total_weight = carry
-
-        # A zero total weight means every accumulator is 0: divide by 1.
-        denominator = jnp.where(total_weight == 0, 1, total_weight)
-
-        def mean(acc: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
-            out_dtype = (
-                like.dtype if jnp.issubdtype(like.dtype, jnp.inexact) else acc.dtype
-            )
-            return (acc / denominator).astype(out_dtype)
-
-        value = jax.tree.map(mean, acc_value, value_shape)
-        grads = jax.tree.map(mean, acc_grads, grads_shape)
-        return value, grads
+        return _weighted_means(*sums)
 
     return microbatched
+
+
+class _MicrobatchCall:
+    """``value_and_grad(params, microbatch, *args, **kwargs)`` for micro-batch i.
+
+    If the loss takes a PRNG key, micro-batch i gets ``fold_in(key, i)``:
+    independent dropout masks per micro-batch, for raw and typed keys alike.
+    """
+
+    def __init__(self, value_and_grad_fn, params, args, kwargs, key_position):
+        self._fn, self._params = value_and_grad_fn, params
+        self._args, self._kwargs = list(args), dict(kwargs)
+        # key_position counts params and batch; args start after them.
+        self._key_index = None if key_position is None else key_position - 2
+        if self._key_index is not None and 0 <= self._key_index < len(args):
+            self._key = args[self._key_index]
+        elif key_position is not None:
+            self._key_index, self._key = None, kwargs.get(_KEY_ARG)
+        else:
+            self._key = None
+
+    def __call__(self, microbatch: Any, index: jax.Array) -> Any:
+        args, kwargs = list(self._args), dict(self._kwargs)
+        if self._key is not None:
+            microbatch_key = jax.random.fold_in(self._key, index)
+            if self._key_index is not None:
+                args[self._key_index] = microbatch_key
+            else:
+                kwargs[_KEY_ARG] = microbatch_key
+        return self._fn(self._params, microbatch, *args, **kwargs)
+
+
+def _microbatch_weight(weight: Any) -> jax.Array:
+    """A ``weight_fn`` result as a float32 scalar, or a clear error."""
+    if jnp.shape(weight) != ():
+        raise ValueError(
+            "`weight_fn` must return a scalar weight per micro-batch, "
+            f"got shape {jnp.shape(weight)}. Reduce it, e.g. "
+            "`lambda mb: mb['mask'].sum()`."
+        )
+    return _weights.scalar_weight(weight, "microbatched_value_and_grad: weight_fn")
+
+
+def _weighted_sums(
+    call: _MicrobatchCall,
+    weight_of: Callable[[Any], jax.Array],
+    microbatches: Any,
+    accumulator_dtype: jnp.dtype,
+) -> tuple[Any, Any, jax.Array, Any, Any]:
+    """Scans the micro-batches, summing ``w_i * value_i`` and ``w_i * grads_i``.
+
+    Returns the value sums, gradient sums, the total weight, and the shapes
+    and dtypes of one micro-batch's value and gradients.
+    """
+    num_microbatches = jax.tree.leaves(microbatches)[0].shape[0]
+    first_microbatch = jax.tree.map(lambda leaf: leaf[0], microbatches)
+    # Shapes and dtypes of one micro-batch's outputs, to build the
+    # accumulators without running anything.
+    value_shape, grads_shape = jax.eval_shape(
+        call, first_microbatch, jnp.zeros((), jnp.uint32)
+    )
+    weight_shape = jax.eval_shape(weight_of, first_microbatch)
+
+    def accumulate(carry: Any, scanned: Any) -> Any:
+        acc_value, acc_grads, total_weight = carry
+        microbatch, index = scanned
+        value, grads = call(microbatch, index)
+        weight = weight_of(microbatch).astype(accumulator_dtype)
+
+        def add(acc: jax.Array, new: jax.Array) -> jax.Array:
+            # A micro-batch without valid examples often has a NaN loss
+            # (0 / 0); weight 0 must drop it, and 0 * NaN = NaN.
+            contribution = jnp.where(weight != 0, weight * new.astype(acc.dtype), 0)
+            return acc + contribution
+
+        acc_value = jax.tree.map(add, acc_value, value)
+        acc_grads = jax.tree.map(add, acc_grads, grads)
+        return (acc_value, acc_grads, total_weight + weight), None
+
+    init = (
+        _zeros(value_shape, accumulator_dtype),
+        _zeros(grads_shape, accumulator_dtype),
+        _zeros(weight_shape, accumulator_dtype),
+    )
+    if num_microbatches == 1:
+        # A one-step scan still keeps a copy of the carry and the loop
+        # buffers alive (about 1.1x the plain temp memory on CPU); the
+        # direct call lets XLA fold the zero accumulators away.
+        carry, _ = accumulate(init, (first_microbatch, jnp.uint32(0)))
+    else:
+        indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
+        carry, _ = jax.lax.scan(accumulate, init, (microbatches, indices))
+    return (*carry, value_shape, grads_shape)
+
+
+def _weighted_means(
+    acc_value: Any,
+    acc_grads: Any,
+    total_weight: jax.Array,
+    value_shape: Any,
+    grads_shape: Any,
+) -> tuple[Any, Any]:
+    """Divides the sums by the total weight, back in the outputs' dtypes."""
+    inverse, _ = _weights.share(jnp.ones_like(total_weight), total_weight)
+
+    def mean(acc: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
+        out_dtype = like.dtype if jnp.issubdtype(like.dtype, jnp.inexact) else acc.dtype
+        return (acc * inverse.astype(acc.dtype)).astype(out_dtype)
+
+    return (
+        jax.tree.map(mean, acc_value, value_shape),
+        jax.tree.map(mean, acc_grads, grads_shape),
+    )

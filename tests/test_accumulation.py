@@ -15,23 +15,20 @@ import pytest
 
 import gradaccum_jax
 from gradaccum_jax import MultiSteps, accumulate
-
-jit_or_not = pytest.mark.parametrize(
-    "wrap", [lambda f: f, jax.jit], ids=["eager", "jit"]
-)
+from helpers import EAGER_AND_JIT
 
 
 def scalar_grads(*values):
     return [{"a": jnp.asarray(v, jnp.float32)} for v in values]
 
 
-def run(tx, grads_seq, params=None, weights=None, wrap=jax.jit, **extra):
+def run(tx, grads_seq, params=None, weights=None, compile_fn=jax.jit, **extra):
     """Feeds a sequence of gradients; returns (list of updates, final state)."""
     params = (
         params if params is not None else jax.tree.map(jnp.zeros_like, grads_seq[0])
     )
     state = tx.init(params)
-    update = wrap(tx.update)
+    update = compile_fn(tx.update)
     outputs = []
     for i, grads in enumerate(grads_seq):
         kwargs = dict(extra)
@@ -63,10 +60,10 @@ def weight_echo():
     )
 
 
-@jit_or_not
-def test_emits_mean_every_k_and_zeros_otherwise(wrap):
+@EAGER_AND_JIT
+def test_emits_mean_every_k_and_zeros_otherwise(compile_fn):
     opt = MultiSteps(optax.sgd(1.0), 3)
-    outputs, state = run(opt, scalar_grads(1, 2, 6, 10, 20, 30), wrap=wrap)
+    outputs, state = run(opt, scalar_grads(1, 2, 6, 10, 20, 30), compile_fn=compile_fn)
     np.testing.assert_array_equal(
         [float(u["a"]) for u in outputs], [0, 0, -3, 0, 0, -20]
     )
@@ -133,8 +130,8 @@ def test_skipped_micro_batch_leaves_window_untouched():
     assert int(state.gradient_step) == 1
 
 
-@jit_or_not
-def test_weighted_window_equals_big_batch_gradient(wrap):
+@EAGER_AND_JIT
+def test_weighted_window_equals_big_batch_gradient(compile_fn):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(10, 3)).astype(np.float32)
     y = rng.normal(size=(10,)).astype(np.float32)
@@ -150,7 +147,11 @@ def test_weighted_window_equals_big_batch_gradient(wrap):
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
     ]
     outputs, _ = run(
-        MultiSteps(optax.identity(), 4), micro_grads, params, weights=sizes, wrap=wrap
+        MultiSteps(optax.identity(), 4),
+        micro_grads,
+        params,
+        weights=sizes,
+        compile_fn=compile_fn,
     )
     chex.assert_trees_all_close(outputs[-1], jax.grad(loss)(params, x, y), rtol=1e-6)
 
@@ -226,7 +227,7 @@ def test_accumulate_in_chain_with_clipping_per_micro_batch():
 def test_accumulate_skip_nonfinite_keeps_windows_of_k_calls():
     # The NaN micro-batch fills its place with weight 0: windows stay aligned
     # with the calls, as devices under pmap need.
-    tx = accumulate(optax.sgd(1.0), 2, average=False, skip_nonfinite=True)
+    tx = accumulate(optax.sgd(1.0), 2, use_grad_mean=False, skip_nonfinite=True)
     outputs, state = run(tx, scalar_grads(5, float("nan"), -0.5, 1.5))
     assert [float(u["a"]) for u in outputs] == [0.0, -5.0, 0.0, -1.0]
     assert int(state.micro_steps) == 3

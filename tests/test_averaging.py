@@ -1,4 +1,4 @@
-"""Tests for average_across_devices (DESIGN.md section 3).
+"""Tests for average_across_devices.
 
 conftest.py gives the test process 8 emulated CPU devices.
 """
@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from helpers import EAGER_AND_JIT
 
 N_DEVICES = 8
 
@@ -171,7 +172,7 @@ def test_shard_map_grad_of_replicated_params_is_already_summed(mesh):
 # --- errors ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("compile_fn", [lambda fn: fn, jax.jit], ids=["eager", "jit"])
+@EAGER_AND_JIT
 def test_unbound_axis_name_says_to_run_inside_pmap_or_shard_map(compile_fn):
     averager = ga.average_across_devices("batch")
     with pytest.raises(NameError) as error:
@@ -207,10 +208,10 @@ def test_non_scalar_weight_fails_with_the_shard_map_hint(mesh):
             )
         )(UPDATES, WEIGHTS)
     assert str(error.value) == (
-        "average_across_devices: `weight` must be a scalar per device (the "
-        "number of examples behind this device's update), got shape (1,). "
-        "Under shard_map a weight sharded as P(axis_name) arrives as a "
-        "shape-(1,) block: pass `weight[0]`."
+        "average_across_devices: `weight` must be a scalar (the number of "
+        "examples or tokens behind this gradient), got shape (1,). Under "
+        "shard_map a weight sharded as P(axis_name) arrives as a shape-(1,) "
+        "block: pass `weight[0]`."
     )
 
 

@@ -1,4 +1,4 @@
-"""Tests for clip_by_global_norm, clip and global_norm (DESIGN.md section 2)."""
+"""Tests for clip_by_global_norm, clip and global_norm."""
 
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ from optax.transforms import _clipping as optax_clipping
 from optax.transforms import _clipping_test as optax_clipping_test
 
 import gradaccum_jax as ga
+from helpers import EAGER_AND_JIT
 
 # Run every body eagerly and compiled: tracing can change dtypes and
 # Python-side branching that eager execution hides.
-EAGER_AND_JIT = pytest.mark.parametrize(
-    "compile_fn", [lambda fn: fn, jax.jit], ids=["eager", "jit"]
-)
 
 # ||(3, 4, 12)|| = 13.
 GRADS = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}
@@ -276,7 +274,7 @@ def test_threshold_accepts_ints_and_scalar_arrays(make):
     assert make(jnp.array(2.0)) is not None
 
 
-# --- clipping and accumulation (DESIGN.md sections 1 and 2) -----------------
+# --- clipping and accumulation ----------------------------------------------
 
 # Two windows of k = 2 micro-batches.
 MICRO_BATCH_GRADS = [[3.0, 4.0], [0.0, -1.0], [0.3, 0.4], [-2.0, 0.0]]

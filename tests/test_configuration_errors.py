@@ -1,5 +1,5 @@
 """Bad configuration fails at construction with a ValueError that names the
-argument and the accepted range (DESIGN.md, "Errors").
+argument and the accepted range (docs/architecture.md, "Errors").
 
 One table row per (public constructor, argument, bad value). A row passes
 when constructing with that one bad argument (all others valid) raises a
@@ -148,11 +148,11 @@ TABLE: list[Row] = [
     *_rows_for(ACCUMULATORS, "opt", (None, optax.adam, "adam"), TRANSFORMATION),
     Row("MultiSteps", "window_accumulator", ("float32", (1, 2)), ACCUMULATOR),
     # Flags: a string such as "False" is truthy; only bools are accepted.
-    Row("MultiSteps", "use_grad_mean", ("False", None), BOOL),
-    Row("MultiSteps", "count_skipped", ("False", None), BOOL),
-    Row("ternary_accumulate", "use_grad_mean", ("False", None), BOOL),
-    Row("accumulate", "average", ("False", None), BOOL),
-    Row("accumulate", "skip_nonfinite", ("False", None), BOOL),
+    # The accumulation entry points share one vocabulary.
+    *_rows_for(ACCUMULATORS, "use_grad_mean", ("False", None), BOOL),
+    *_rows_for(ACCUMULATORS, "count_skipped", ("False", None), BOOL),
+    *_rows_for(ACCUMULATORS, "skip_nonfinite", ("False", None), BOOL),
+    Row("accumulate", "average", ("False",), BOOL),
     Row("ternarize", "stochastic", ("False", None), BOOL),
     *_rows_for(
         ("ternarize", "ternary_average_across_devices"),
@@ -163,7 +163,7 @@ TABLE: list[Row] = [
     Row("microbatched_value_and_grad", "has_aux", ("False", None), BOOL),
     # Callables.
     *_rows_for(
-        ("MultiSteps", "ternary_accumulate"),
+        ACCUMULATORS,
         "should_skip_update_fn",
         (3, "skip_not_finite"),
         CALLABLE,
@@ -238,3 +238,26 @@ def test_table_covers_every_argument_of_every_constructor():
             if (name, parameter) not in covered:
                 missing.append(f"{name}({parameter}=...)")
     assert not missing, f"no bad-value row for {missing}"
+
+
+@pytest.mark.parametrize("name", ["MultiSteps", "accumulate", "ternary_accumulate"])
+def test_skip_nonfinite_and_a_skip_function_together_are_rejected(name):
+    with pytest.raises(ValueError) as error:
+        getattr(ga, name)(
+            **VALID[name],
+            skip_nonfinite=True,
+            should_skip_update_fn=ga.skip_large_updates,
+        )
+    assert str(error.value).startswith(
+        "`skip_nonfinite=True` is shorthand for "
+        "`should_skip_update_fn=skip_not_finite`: pass one of them, not both"
+    )
+
+
+def test_accumulate_average_is_a_deprecated_alias_of_use_grad_mean():
+    with pytest.warns(DeprecationWarning, match="use use_grad_mean"):
+        tx = ga.accumulate(optax.sgd(1.0), 2, average=False)
+    state = tx.init({"a": jnp.zeros(())})
+    for g in (1.0, 2.0):
+        updates, state = tx.update({"a": jnp.float32(g)}, state)
+    assert float(updates["a"]) == -3.0  # the sum, not the mean

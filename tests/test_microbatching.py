@@ -1,4 +1,4 @@
-"""Tests for microbatched_value_and_grad (DESIGN.md section 5, issue 5).
+"""Tests for microbatched_value_and_grad.
 
 Every numerical test compares against ``jax.value_and_grad`` on the full
 batch (or, for keys, against a hand-written loop over the strided
@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax
 from gradaccum_jax import microbatched_value_and_grad
+from helpers import EAGER_AND_JIT
 
 BATCH, IN_DIM, CLASSES = 16, 5, 3
 
@@ -78,12 +79,6 @@ UNEVEN_MASK = np.array(
 )
 
 
-@pytest.fixture(params=["jit", "no_jit"])
-def variant(request):
-    """Runs a test body with and without jax.jit (chex.variants for pytest)."""
-    return jax.jit if request.param == "jit" else (lambda fn: fn)
-
-
 def close(actual, expected, atol=1e-6, rtol=1e-5):
     chex.assert_trees_all_close(actual, expected, atol=atol, rtol=rtol)
 
@@ -100,10 +95,11 @@ class TestMatchesFullBatch:
         fn = jax.jit(fn) if use_jit else fn
         close(fn(params, batch), full_mean_loss(params, batch))
 
-    def test_masked_weighted_is_big_batch_masked_mean(self, variant):
+    @EAGER_AND_JIT
+    def test_masked_weighted_is_big_batch_masked_mean(self, compile_fn):
         params, batch = make_params(), make_batch()
         batch["mask"] = UNEVEN_MASK
-        fn = variant(
+        fn = compile_fn(
             microbatched_value_and_grad(masked_mean_loss, 4, weight_fn=valid_count)
         )
         loss, grads = fn(params, batch)
@@ -279,13 +275,14 @@ class TestDtypes:
 
 
 class TestZeroWeight:
-    def test_zero_total_weight_gives_zeros(self, variant):
+    @EAGER_AND_JIT
+    def test_zero_total_weight_gives_zeros(self, compile_fn):
         def loss_with_aux(params, batch):
             return masked_mean_loss(params, batch), {"n": jnp.sum(batch["mask"])}
 
         params, batch = make_params(), make_batch()
         batch["mask"] = jnp.zeros((BATCH,))
-        fn = variant(
+        fn = compile_fn(
             microbatched_value_and_grad(
                 loss_with_aux, 4, has_aux=True, weight_fn=valid_count
             )

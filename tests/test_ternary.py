@@ -1,4 +1,4 @@
-"""Tests for ternary compression (DESIGN.md section 4).
+"""Tests for ternary compression.
 
 Statistical tests use pinned keys, so they are deterministic; their
 tolerances are derived from the variance of the estimator, so a real bias
@@ -17,13 +17,11 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
-from gradaccum_jax import _ternary
+from gradaccum_jax._ternary import _accumulator, _device_mean
+from helpers import EAGER_AND_JIT
 
 NUM_DEVICES = 8
 
-EAGER_AND_JIT = pytest.mark.parametrize(
-    "compile_fn", [lambda fn: fn, jax.jit], ids=["eager", "jit"]
-)
 
 # An MLP's leaves: two compressed weight matrices, two float32 biases.
 PARAMS = {
@@ -337,7 +335,7 @@ def test_packed_codes_sum_exactly_for_any_number_of_devices():
             jax.random.key(num_devices), (num_devices, 257), -1, 2
         ).astype(jnp.int8)
         sums = jax.vmap(
-            lambda c, n=num_devices: _ternary._packed_psum(c, "i", n), axis_name="i"
+            lambda c, n=num_devices: _device_mean.packed_psum(c, "i", n), axis_name="i"
         )(codes)
         np.testing.assert_array_equal(sums[0], codes.astype(jnp.int32).sum(0))
 
@@ -376,7 +374,7 @@ def test_window_sum_is_unbiased_when_the_scale_grows():
     base = _heavy_tailed(0, 300)
     grads = [base, -3.0 * base[::-1], 0.5 * base**2]
     weights = [1.0, 2.0, 0.5]
-    accumulator = _ternary._ternary_window_accumulator(0, None)
+    accumulator = _accumulator._ternary_window_accumulator(0, None)
 
     def window(key_data):
         acc = accumulator.init(base)._replace(key=key_data)

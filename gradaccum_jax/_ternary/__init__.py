@@ -1,0 +1,31 @@
+"""Ternary gradient compression, one module per job.
+
+- `_quantize`: the quantizers (TernGrad, TWN) and their building blocks;
+- `_random`: checkpointable PRNG keys, one per leaf and step;
+- `_leaves`: which leaves are compressed, and the tree plumbing;
+- `_error_feedback`: the residual state shared by the next two;
+- `_ternarize`: `ternarize`, compression of each update;
+- `_device_mean`: `ternary_average_across_devices`, codes on the wire;
+- `_accumulator`: `ternary_accumulate`, an int8 window accumulator.
+"""
+
+from gradaccum_jax._ternary._accumulator import (
+    TernaryAccumulatorState,
+    ternary_accumulate,
+)
+from gradaccum_jax._ternary._device_mean import ternary_average_across_devices
+from gradaccum_jax._ternary._error_feedback import TernaryState
+from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
+from gradaccum_jax._ternary._quantize import ternary_dequantize, ternary_quantize
+from gradaccum_jax._ternary._ternarize import ternarize
+
+__all__ = [
+    "DEFAULT_MIN_SIZE",
+    "TernaryAccumulatorState",
+    "TernaryState",
+    "ternarize",
+    "ternary_accumulate",
+    "ternary_average_across_devices",
+    "ternary_dequantize",
+    "ternary_quantize",
+]

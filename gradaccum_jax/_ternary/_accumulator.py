@@ -1,0 +1,251 @@
+"""`ternary_accumulate`: a window kept as int8 code sums and float32 scales."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gradaccum_jax import _checks
+from gradaccum_jax._accumulation import (
+    AccumulationTransformation,
+    MultiSteps,
+    ShouldSkipUpdateFunction,
+)
+from gradaccum_jax._ternary._leaves import (
+    DEFAULT_MIN_SIZE,
+    common_config,
+    is_compressed,
+    is_masked,
+    unzip,
+)
+from gradaccum_jax._ternary._quantize import (
+    clip_to_sigma,
+    codes_from_uniform,
+    poison_if_nonfinite,
+    stochastic_round,
+    ternary_dequantize,
+)
+from gradaccum_jax._ternary._random import seed_key, split_per_leaf
+from gradaccum_jax._window import WindowAccumulator
+
+# Largest every_k each code-sum dtype can hold: a window adds at most one
+# code in {-1, 0, 1} per micro-step, so |sum| <= every_k.
+_CODE_SUM_DTYPES = ((127, jnp.int8), (32767, jnp.int16))
+
+
+class TernaryAccumulatorState(NamedTuple):
+    """One window of `ternary_accumulate`, stored in ``MultiStepsState.acc_grads``.
+
+    Attributes:
+      key: raw uint32 PRNG key data, split on every micro-step; kept by reset.
+      code_sums: per leaf, the window's sum of ternary codes (int8, or int16
+        when every_k > 127); for leaves smaller than ``min_size``, the exact
+        float32 weighted sum instead.
+      scales: per compressed leaf, the window's float32 scale (the running
+        maximum of the micro-steps' scales); ``optax.MaskedNode()`` for
+        uncompressed leaves. The window's sum is ``code_sums * scales``.
+    """
+
+    key: jax.Array
+    code_sums: optax.Updates
+    scales: optax.Updates
+
+
+def _code_sum_dtype(max_codes: int) -> Any:
+    """The smallest integer dtype that holds a sum of ``max_codes`` codes."""
+    for limit, dtype in _CODE_SUM_DTYPES:
+        if max_codes <= limit:
+            return dtype
+    raise ValueError(
+        f"ternary_accumulate: `every_k` (or `max_every_k`) must be <= "
+        f"{_CODE_SUM_DTYPES[-1][0]} so that a window's code sums fit in int16, "
+        f"got {max_codes}. Beyond that an int32 code sum would take as much "
+        "memory as a float32 accumulator: use MultiSteps instead."
+    )
+
+
+def _ternary_window_accumulator(
+    seed: int,
+    clip_sigma: float | None,
+    min_size: int = DEFAULT_MIN_SIZE,
+    code_sum_dtype: Any = jnp.int8,
+) -> WindowAccumulator:
+    """A `WindowAccumulator` storing ternary code sums and per-leaf scales.
+
+    Each micro-step's weighted gradient ``v = w * g`` is clipped (TernGrad)
+    and the window's scale grows to ``s' = max(s, max|clipped v|)``. When it
+    grows, the code sums so far are stochastically rounded to the new scale
+    (``S <- round(S * s / s')``, unbiased), then ``v``'s TernGrad codes
+    against ``s'`` are added. Every step is unbiased given the past, so
+    ``E[total()] = sum_i w_i clip(g_i)`` over the window, exactly
+    ``sum_i w_i g_i`` with ``clip_sigma=None``: unlike the average-scale
+    trick, a later, larger micro-batch is neither clipped to the first one's
+    scale nor mis-weighted. ``|S| <= micro-steps added``, and sums saturate
+    at the dtype's range rather than wrap.
+    """
+
+    def init(params):
+        def code_sum_init(param):
+            if is_compressed(param, min_size):
+                return jnp.zeros(np.shape(param), code_sum_dtype)
+            return jnp.zeros(np.shape(param), jnp.float32)
+
+        def scale_init(param):
+            if is_compressed(param, min_size):
+                return jnp.zeros((), jnp.float32)
+            return optax.MaskedNode()
+
+        return TernaryAccumulatorState(
+            seed_key(seed),
+            jax.tree.map(code_sum_init, params),
+            jax.tree.map(scale_init, params),
+        )
+
+    def add(acc, grads, weight):
+        _checks.floating_leaves(grads, "ternary_accumulate: gradients")
+        _checks.same_structure(
+            grads, acc.code_sums, "ternary_accumulate: gradients", "the parameters"
+        )
+        key, leaf_keys = split_per_leaf(acc.key, grads)
+        weight = jnp.asarray(weight, jnp.float32)
+
+        def add_leaf(grad, code_sum, scale, leaf_key):
+            value = weight * grad.astype(jnp.float32)
+            if is_masked(scale):
+                return code_sum + value, scale
+            value = clip_to_sigma(value, clip_sigma)
+            new_scale = poison_if_nonfinite(
+                value, jnp.maximum(scale, jnp.max(jnp.abs(value)))
+            )
+            ratio = jnp.where(
+                new_scale > 0, scale / jnp.where(new_scale > 0, new_scale, 1), 0
+            )
+            # One draw serves both roundings: random bits dominate the cost of
+            # a micro-step on CPU. Each rounding stays unbiased on its own, and
+            # mirroring the draw where v > 0 makes the covariance of the two
+            # terms <= 0 for either sign of v (the re-rounding adds +1 for
+            # small draws, the code +1 for large ones or -1 for small ones),
+            # so sharing the draw can only lower the variance of their sum.
+            uniform = jax.random.uniform(leaf_key, value.shape)
+            kept = stochastic_round(code_sum.astype(jnp.float32) * ratio, uniform)
+            mirrored = jnp.where(value > 0, 1.0 - uniform, uniform)
+            new_sum = kept + codes_from_uniform(value, new_scale, mirrored)
+            limit = jnp.iinfo(code_sum_dtype).max
+            new_sum = jnp.clip(new_sum, -limit, limit).astype(code_sum_dtype)
+            # A NaN scale marks the window as poisoned until reset.
+            new_sum = jnp.where(jnp.isfinite(new_scale), new_sum, 0).astype(
+                code_sum_dtype
+            )
+            return new_sum, new_scale
+
+        pairs = jax.tree.map(add_leaf, grads, acc.code_sums, acc.scales, leaf_keys)
+        new_acc = TernaryAccumulatorState(key, *unzip(grads, pairs))
+        # A zero weight (a skipped micro-batch) must change nothing, even if
+        # its gradients hold NaN (0 * NaN is NaN): a select, not a multiply.
+        return jax.tree.map(
+            lambda new, old: jnp.where(weight != 0, new, old), new_acc, acc
+        )
+
+    def total(acc):
+        def leaf_total(code_sum, scale):
+            if is_masked(scale):
+                return code_sum
+            return ternary_dequantize(code_sum, scale)
+
+        return jax.tree.map(leaf_total, acc.code_sums, acc.scales)
+
+    def reset(acc):
+        return TernaryAccumulatorState(
+            acc.key,
+            jax.tree.map(jnp.zeros_like, acc.code_sums),
+            jax.tree.map(jnp.zeros_like, acc.scales),
+        )
+
+    return WindowAccumulator(init=init, add=add, total=total, reset=reset)
+
+
+def ternary_accumulate(
+    opt: optax.GradientTransformation,
+    every_k: int | Callable[[jax.Array], jax.Array],
+    *,
+    seed: int = 0,
+    clip_sigma: float | None = 2.5,
+    min_size: int = DEFAULT_MIN_SIZE,
+    max_every_k: int | None = None,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
+    skip_nonfinite: bool = False,
+    count_skipped: bool = False,
+) -> AccumulationTransformation:
+    """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
+
+    `MultiSteps` whose window sum is stored as integer sums of TernGrad codes
+    (Wen et al., NeurIPS 2017) plus one float32 scale per leaf, instead of a
+    float32 sum: about a quarter of the accumulator memory (int8 code sums,
+    or int16 when a window can exceed 127 micro-steps).
+
+    Guarantee: the emitted gradient is an unbiased estimate of the window's
+    (weighted) mean of the clipped micro-batch gradients, exactly unbiased
+    for the mean of the gradients with ``clip_sigma=None``. The window's
+    scale is the running maximum of the micro-steps' scales; when it grows,
+    the code sums so far are stochastically re-rounded to the new scale, so
+    no micro-step is clipped to another's scale (the bias of storing codes
+    with an average scale). Micro-batch weights (``update(..., weight=w)``)
+    are supported: each micro-step ternarizes ``w * g`` against the window's
+    scale, so a heavier micro-batch counts more, not more noisily. The
+    price of the compression is variance: per element and micro-step at
+    most ``s * |w g|`` (TernGrad's), plus ``s**2 / 4`` each time the scale
+    grows. Leaves smaller than ``min_size`` accumulate exactly in float32.
+    There is no error feedback: its residual would be a float32 buffer the
+    size of the parameters, the memory saved here.
+
+    Args:
+      opt: the inner optimizer, run once per window.
+      every_k: micro-steps per window: an int in [1, 32767], or a function of
+        the gradient step as in `MultiSteps`.
+      seed: an integer in [0, 2**32 - 1] seeding the stochastic rounding.
+      clip_sigma: TernGrad's clipping of each micro-step, in standard
+        deviations; None disables it. Must be > 0.
+      min_size: leaves with fewer elements accumulate in float32.
+      max_every_k: for a callable ``every_k``, the largest window it returns;
+        it picks the code-sum dtype (int8 up to 127, else int16). Default
+        for callables: 32767 (int16). Code sums saturate, never wrap, if a
+        window is longer.
+      use_grad_mean: as in `MultiSteps`.
+      should_skip_update_fn: as in `MultiSteps`.
+      skip_nonfinite: as in `MultiSteps`.
+      count_skipped: as in `MultiSteps`.
+
+    Returns:
+      An `AccumulationTransformation` (``init``, ``update``, ``flush``,
+      ``reset``, ``stats``, ``has_updated``), as `MultiSteps` gives; the
+      state's ``acc_grads`` is a `TernaryAccumulatorState`.
+    """
+    if callable(every_k):
+        limit = (
+            _CODE_SUM_DTYPES[-1][0]
+            if max_every_k is None
+            else _checks.positive_int("max_every_k", max_every_k)
+        )
+    else:
+        limit = _checks.positive_int("every_k", every_k)
+        if max_every_k is not None:
+            limit = max(limit, _checks.positive_int("max_every_k", max_every_k))
+    seed, clip_sigma, min_size = common_config(seed, clip_sigma, min_size)
+    accumulator = _ternary_window_accumulator(
+        seed, clip_sigma, min_size, _code_sum_dtype(limit)
+    )
+    return MultiSteps(
+        opt,
+        every_k,
+        use_grad_mean=use_grad_mean,
+        should_skip_update_fn=should_skip_update_fn,
+        skip_nonfinite=skip_nonfinite,
+        count_skipped=count_skipped,
+        window_accumulator=accumulator,
+    ).gradient_transformation()

@@ -1,0 +1,72 @@
+"""Which leaves are compressed, and the tree plumbing around them.
+
+Compression is decided per leaf from its static shape (`is_compressed`);
+leaves that keep nothing in a state are ``optax.MaskedNode()`` there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from gradaccum_jax import _checks
+from gradaccum_jax._ternary._quantize import validate_clip_sigma
+
+# Leaves with fewer elements than this are left uncompressed by default.
+# Below a few hundred elements (biases, LayerNorm scales, the last layer's
+# bias) compression saves < 1 KiB per leaf, while one scale shared by so few
+# elements makes the quantization noise relatively largest (a bias's few
+# entries often differ by orders of magnitude); every compressed leaf also
+# costs a scale, a PRNG draw and, with error feedback, a residual. Such
+# leaves are a negligible share of a model's bytes, so keeping them exact is
+# almost free.
+DEFAULT_MIN_SIZE = 256
+
+
+def common_config(
+    seed: Any, clip_sigma: Any, min_size: Any
+) -> tuple[int, float | None, int]:
+    return (
+        _checks.prng_seed("seed", seed),
+        validate_clip_sigma(clip_sigma),
+        _checks.nonnegative_int("min_size", min_size),
+    )
+
+
+def is_masked(node: Any) -> bool:
+    return isinstance(node, optax.MaskedNode)
+
+
+def check_updates(updates: Any, template: Any, caller: str) -> None:
+    """Raises, naming the leaf, if ``updates`` do not match a state template.
+
+    ``template`` is shaped like the params, with ``optax.MaskedNode()`` at
+    leaves whose shape the state does not record.
+    """
+    _checks.floating_leaves(updates, f"{caller}: updates")
+    _checks.same_structure(
+        updates,
+        template,
+        f"{caller}: updates",
+        "the parameters the state was initialized with",
+        placeholder=is_masked,
+    )
+
+
+def unzip(reference: Any, pairs: Any) -> tuple[Any, Any]:
+    """Splits a tree of pairs, one per leaf of ``reference``, into two trees.
+
+    Unlike ``jax.tree.transpose`` it allows ``optax.MaskedNode()`` (a node
+    with no leaves) in either half.
+    """
+    first = jax.tree.map(lambda _, pair: pair[0], reference, pairs)
+    second = jax.tree.map(lambda _, pair: pair[1], reference, pairs)
+    return first, second
+
+
+def is_compressed(leaf: Any, min_size: int) -> bool:
+    """Whether a leaf is ternarized (static: from its shape only)."""
+    return np.size(leaf) >= max(min_size, 1)
