@@ -276,33 +276,6 @@ def test_accumulator_dtype_and_state_dtypes_are_stable_under_scan():
     np.testing.assert_allclose(updates["w"][2], [-1e-2, -1e-2], rtol=1e-3)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"every_k_schedule": 0}, "`every_k_schedule` must be an integer >= 1, got 0."),
-        (
-            {"every_k_schedule": -3},
-            "`every_k_schedule` must be an integer >= 1, got -3.",
-        ),
-        ({"every_k_schedule": 2.5}, "`every_k_schedule` must be an integer >= 1 or a"),
-        ({"every_k_schedule": True}, "`every_k_schedule` must be an integer >= 1 or a"),
-        (
-            {"every_k_schedule": 2, "accumulator_dtype": jnp.int32},
-            "`accumulator_dtype`",
-        ),
-        ({"every_k_schedule": 2, "accumulator_dtype": "nope"}, "`accumulator_dtype`"),
-    ],
-)
-def test_bad_configuration_fails_at_construction(kwargs, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        MultiSteps(optax.sgd(1.0), **kwargs)
-
-
-def test_bad_configuration_of_accumulate():
-    with pytest.raises(ValueError, match="`every_k` must be an integer >= 1"):
-        accumulate(optax.sgd(1.0), 0)
-
-
 def test_gradients_with_another_structure_name_the_leaf():
     opt = MultiSteps(optax.sgd(1.0), 2)
     params = {"dense": {"w": jnp.zeros((2, 3)), "b": jnp.zeros((3,))}}
@@ -387,3 +360,63 @@ def test_donated_train_step_needs_no_parameter_sized_temporaries(wrap_grads):
     theirs = temp_bytes(optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation())
     assert ours < 0.05 * param_bytes
     assert theirs > 2 * param_bytes
+
+
+# --- one vocabulary, one object -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: accumulate(optax.sgd(1.0), 3),
+        lambda: gradaccum_jax.ternary_accumulate(
+            optax.sgd(1.0), 3, clip_sigma=None, min_size=1
+        ),
+        lambda: MultiSteps(optax.sgd(1.0), 3).gradient_transformation(),
+    ],
+    ids=["accumulate", "ternary_accumulate", "MultiSteps"],
+)
+def test_every_entry_point_has_the_window_methods(build):
+    tx = build()
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert tx.gradient_transformation() is tx
+    params = {"a": jnp.zeros((4,))}
+    state = tx.init(params)
+    # Equal micro-batches: the ternary window's scale never grows, so its
+    # codes of a constant vector are exact too.
+    for g in (1.0, 1.0):
+        _, state = tx.update({"a": jnp.full((4,), g)}, state, params, weight=2.0)
+    stats = tx.stats(state)
+    assert (int(stats.window_fill), int(stats.window_size)) == (2, 3)
+    assert float(stats.window_weight) == 4.0
+    assert not bool(tx.has_updated(state))
+    updates, flushed = tx.flush(state, params)
+    np.testing.assert_allclose(updates["a"], np.full(4, -1.0), rtol=1e-6)
+    assert bool(tx.has_updated(flushed))
+    assert int(tx.stats(tx.reset(state)).window_fill) == 0
+
+
+def test_accumulate_in_a_chain_still_receives_the_weight():
+    tx = optax.chain(optax.identity(), accumulate(optax.sgd(1.0), 2))
+    state = tx.init({"a": jnp.zeros(())})
+    _, state = tx.update({"a": jnp.float32(1.0)}, state, weight=1.0)
+    updates, _ = tx.update({"a": jnp.float32(4.0)}, state, weight=3.0)
+    assert float(updates["a"]) == -(1.0 * 1 + 4.0 * 3) / 4
+
+
+def test_negative_concrete_weight_is_rejected():
+    opt = MultiSteps(optax.sgd(1.0), 2)
+    state = opt.init({"a": jnp.zeros([])})
+    with pytest.raises(
+        ValueError, match=re.escape("MultiSteps.update: `weight` must be >= 0")
+    ):
+        opt.update({"a": jnp.ones([])}, state, weight=-1.0)
+
+
+def test_negative_traced_weight_makes_the_window_nan():
+    outputs, _ = run(
+        MultiSteps(optax.sgd(1.0), 2),
+        scalar_grads(1.0, 5.0),
+        weights=[jnp.float32(-1.0), jnp.float32(-3.0)],
+    )
+    assert np.isnan(float(outputs[-1]["a"]))
