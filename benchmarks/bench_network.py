@@ -261,11 +261,32 @@ def kill(processes: list[subprocess.Popen]) -> None:
                 )
 
 
+def fit_time(points: list[dict], variant: str) -> tuple[float, float] | None:
+    """(c, b) of ms = c + b / rate: compute plus bytes over bandwidth.
+
+    c is the unlimited run's time; b the least-squares slope over the
+    finite rates (ms x Gbit/s, proportional to the bytes sent).
+    """
+    measured = [p for p in points if variant in p["ms"]]
+    unlimited = [p["ms"][variant] for p in measured if math.isinf(p["rate"])]
+    finite = [
+        (p["rate"], p["ms"][variant]) for p in measured if math.isfinite(p["rate"])
+    ]
+    if not unlimited or not finite:
+        return None
+    c = unlimited[0]
+    b = sum((t - c) / r for r, t in finite) / sum(1 / r**2 for r, _ in finite)
+    return c, b
+
+
 def crossover(points: list[dict]) -> dict:
-    """Where ternary becomes faster than f32 as bandwidth falls.
+    """The bandwidth below which ternary is faster than f32.
 
     Linear interpolation of (ternary - f32) ms in log10(rate) between the
-    two neighbouring measured finite rates where its sign changes.
+    two neighbouring measured finite rates where its sign changes. When it
+    changes only between the largest finite rate and the unlimited run,
+    the crossover is where the fits ms = c + b / rate of the two variants
+    (`fit_time`) meet.
     """
     finite = sorted(
         (p for p in points if math.isfinite(p["rate"])), key=lambda p: p["rate"]
@@ -280,6 +301,21 @@ def crossover(points: list[dict]) -> dict:
             x1, x2 = math.log10(r1), math.log10(r2)
             x = x1 + (x2 - x1) * (-d1) / (d2 - d1)
             return {"gbit": 10**x, "note": f"interpolated between {r1:g} and {r2:g}"}
+    unlimited = [
+        p["ms"]["ternary"] - p["ms"]["f32"]
+        for p in points
+        if math.isinf(p["rate"]) and {"ternary", "f32"} <= p["ms"].keys()
+    ]
+    if diffs and diffs[-1][1] < 0 and unlimited and unlimited[0] >= 0:
+        f32, ternary = fit_time(points, "f32"), fit_time(points, "ternary")
+        if f32 and ternary and f32[1] > ternary[1] and ternary[0] > f32[0]:
+            gbit = (f32[1] - ternary[1]) / (ternary[0] - f32[0])
+            return {
+                "gbit": gbit,
+                "note": f"between {diffs[-1][0]:g} Gbit/s and unlimited; "
+                "where the fits ms = c + b / rate meet",
+            }
+        return {"gbit": None, "note": f"between {diffs[-1][0]:g} and unlimited"}
     if diffs and all(d < 0 for _, d in diffs):
         return {"gbit": None, "note": "ternary faster at every measured finite rate"}
     if diffs and all(d >= 0 for _, d in diffs):
@@ -300,18 +336,18 @@ def plot(points: list[dict], cross: dict, path: Path, title: str) -> None:
         return unlimited_x if math.isinf(rate) else rate
 
     styles = {
-        "f32": ("float32 mean", "o-"),
-        "ternary": ("ternary mean", "s-"),
-        "accum8": ("accum k=8, per micro-step", "^-"),
-        "accum8_window": ("accum k=8, per window", "^:"),
+        "f32": ("float32 mean", "o-", "C0"),
+        "ternary": ("ternary mean", "s-", "C1"),
+        "accum8": ("accum k=8, per micro-step", "^-", "C2"),
+        "accum8_window": ("accum k=8, per window of 8", "^:", "C2"),
     }
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ordered = sorted(points, key=lambda p: x_of(p["rate"]))
-    for key, (label, style) in styles.items():
+    for key, (label, style, color) in styles.items():
         xs = [x_of(p["rate"]) for p in ordered if key in p["ms"]]
         ys = [p["ms"][key] for p in ordered if key in p["ms"]]
         if xs:
-            ax.plot(xs, ys, style, label=label)
+            ax.plot(xs, ys, style, color=color, label=label)
     if cross["gbit"] is not None:
         ax.axvline(cross["gbit"], color="grey", linestyle="--")
         ax.annotate(
@@ -509,4 +545,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("bench_network: interrupted; workers killed, namespace deleted.")
+        sys.exit(130)
