@@ -1,0 +1,324 @@
+"""One of the two processes of ``benchmarks/bench_network.py``.
+
+``bench_network.py`` launches two copies of this file inside its own network
+namespace (``ip netns exec``), joined by ``jax.distributed.initialize`` on
+127.0.0.1 with gloo CPU collectives: one CPU device per process, one mesh of
+2 devices over both, so every all-reduce crosses the namespace's loopback,
+whose bandwidth the orchestrator limits with ``tc``.
+
+Two tasks:
+
+- ``timing``: the jitted data-parallel step (``jax.shard_map`` over the
+  2-device mesh, parameters replicated, the batch split) of a 4.7M-parameter
+  MLP, once per variant: ``f32`` (`average_across_devices`, a float32 mean),
+  ``ternary`` (`ternary_average_across_devices`) and ``accum8`` (`MultiSteps`
+  with k=8 around the float32 mean: one all-reduce per 8 micro-steps). The
+  loss is cheap (4 examples per device) so that communication shows. Each
+  repeat runs one step (one window of 8 micro-steps for ``accum8``) and
+  waits for it with ``jax.block_until_ready``; the median over repeats is
+  reported.
+- ``accuracy``: the same three optimizers training a small MLP on
+  scikit-learn's ``load_digits`` for a fixed number of updates, per seed;
+  the test accuracy shows what compression costs in accuracy.
+
+Process 0 writes the results as JSON to ``--out``. Every wait is bounded:
+``--timeout`` bounds the coordinator, heartbeats and shutdown, and the
+orchestrator kills the process if it outlives its own deadline.
+
+Run by ``bench_network.py``; by hand (two shells, any network)::
+
+    python benchmarks/_network_worker.py --process-id 0 \\
+        --coordinator 127.0.0.1:12345 --task timing --out /tmp/t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+AXIS = "data"
+VARIANTS = ("f32", "ternary", "accum8")
+EVERY_K = 8
+LEARNING_RATE = 1e-3
+
+# Timing model: 256 -> 2048 -> 2048 -> 10, 4,740,106 float32 parameters
+# (18.1 MiB of gradients per all-reduce), 4 examples per device.
+TIMING_LAYERS = (256, 2048, 2048, 10)
+TIMING_PER_DEVICE_BATCH = 4
+
+# Accuracy model on load_digits: 64 -> 128 -> 10, 16 examples per device.
+DIGITS_LAYERS = (64, 128, 10)
+DIGITS_PER_DEVICE_BATCH = 16
+DIGITS_LEARNING_RATE = 0.1
+
+
+def make_optimizer(variant: str, learning_rate: float, seed: int = 0):
+    import optax
+
+    import gradaccum_jax as ga
+
+    if variant == "f32":
+        return optax.chain(ga.average_across_devices(AXIS), optax.sgd(learning_rate))
+    if variant == "ternary":
+        return optax.chain(
+            ga.ternary_average_across_devices(AXIS, seed=seed),
+            optax.sgd(learning_rate),
+        )
+    if variant == "accum8":
+        return ga.MultiSteps(
+            optax.chain(ga.average_across_devices(AXIS), optax.sgd(learning_rate)),
+            EVERY_K,
+            count_skipped=True,
+        )
+    raise ValueError(f"unknown variant {variant!r}, expected one of {VARIANTS}")
+
+
+def init_mlp(layers: tuple[int, ...], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i, (n_in, n_out) in enumerate(zip(layers[:-1], layers[1:], strict=True)):
+        w = rng.normal(size=(n_in, n_out)) / np.sqrt(n_in)
+        params[f"w{i}"] = w.astype(np.float32)
+        params[f"b{i}"] = np.zeros((n_out,), np.float32)
+    return params
+
+
+def logits_fn(params, x):
+    import jax
+
+    num_layers = len(params) // 2
+    for i in range(num_layers):
+        x = x @ params[f"w{i}"] + params[f"b{i}"]
+        if i < num_layers - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def loss_fn(params, x, y):
+    import optax
+
+    logits = logits_fn(params, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+class DataParallel:
+    """A jitted data-parallel train step over a 1-D mesh of ``devices``.
+
+    Parameters are replicated (``P()``); the batch is split over the mesh
+    axis; the optimizer state is per device (a leading axis of size
+    ``len(devices)``, ``P(AXIS)``), since the ternary residuals and the
+    accumulator differ from device to device.
+    """
+
+    def __init__(self, devices: list[Any], tx: Any):
+        import jax
+        import optax
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        self.mesh = Mesh(np.array(devices), (AXIS,))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.split = NamedSharding(self.mesh, P(AXIS))
+
+        def local(tree):  # this device's block (leading axis 1) -> its value
+            return jax.tree.map(lambda leaf: leaf[0], tree)
+
+        def stacked(tree):
+            return jax.tree.map(lambda leaf: leaf[None], tree)
+
+        def step(params, state, x, y):
+            # Each device differentiates the loss of its own examples; the
+            # transformation averages the gradients across devices.
+            grads = jax.grad(loss_fn)(params, x, y)
+            updates, state = tx.update(grads, local(state), params)
+            return optax.apply_updates(params, updates), stacked(state)
+
+        # check_vma=False: the averaged updates, hence the new parameters, are
+        # the same on every device, but JAX cannot prove it for MultiSteps
+        # (whose non-emitting branch returns this device's zeros), so the
+        # P() output is not checked. It also keeps jax.grad from summing the
+        # gradient of the replicated parameters over the axis itself.
+        def shard_map(f, in_specs, out_specs):
+            return jax.shard_map(
+                f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                check_vma=False,
+            )  # fmt: skip
+
+        self._init = jax.jit(shard_map(lambda p: stacked(tx.init(p)), P(), P(AXIS)))
+        self.step = jax.jit(
+            shard_map(step, (P(), P(AXIS), P(AXIS), P(AXIS)), (P(), P(AXIS))),
+            donate_argnums=(0, 1),
+        )
+
+    def put(self, host: np.ndarray, sharding) -> Any:
+        import jax
+
+        host = np.asarray(host)
+        return jax.make_array_from_callback(
+            host.shape, sharding, lambda index: host[index]
+        )
+
+    def init(self, params: dict[str, np.ndarray]) -> tuple[Any, Any]:
+        import jax
+
+        params = jax.tree.map(lambda p: self.put(p, self.replicated), params)
+        return params, self._init(params)
+
+
+def time_variant(
+    devices: list[Any], variant: str, warmup: int, repeats: int
+) -> dict[str, Any]:
+    """Milliseconds per step (per window of EVERY_K micro-steps for accum8)."""
+    import jax
+
+    n = len(devices)
+    trainer = DataParallel(devices, make_optimizer(variant, LEARNING_RATE))
+    params, state = trainer.init(init_mlp(TIMING_LAYERS, seed=0))
+    num_params = sum(int(p.size) for p in jax.tree.leaves(params))
+    rng = np.random.default_rng(1)
+    batch = n * TIMING_PER_DEVICE_BATCH
+    x = rng.normal(size=(batch, TIMING_LAYERS[0])).astype(np.float32)
+    y = rng.integers(0, TIMING_LAYERS[-1], size=(batch,)).astype(np.int32)
+    x, y = trainer.put(x, trainer.split), trainer.put(y, trainer.split)
+    steps = EVERY_K if variant == "accum8" else 1
+
+    start = time.perf_counter()
+    params, state = trainer.step(params, state, x, y)
+    jax.block_until_ready((params, state))
+    compile_s = time.perf_counter() - start
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            params, state = trainer.step(params, state, x, y)
+        jax.block_until_ready((params, state))
+        if i >= warmup:
+            times.append(1e3 * (time.perf_counter() - start))
+    median = statistics.median(times)
+    result = {
+        "variant": variant,
+        "num_params": num_params,
+        "ms_per_step": median / steps,
+        "ms_all": times,
+        "first_call_s": compile_s,
+    }
+    if variant == "accum8":
+        result["ms_per_window"] = median
+    return result
+
+
+def load_digits_split() -> tuple[np.ndarray, ...]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    return train_test_split(
+        x, digits.target.astype(np.int32), test_size=0.2, random_state=0,
+        stratify=digits.target,
+    )  # fmt: skip
+
+
+def train_digits(
+    devices: list[Any], variant: str, seed: int, updates: int
+) -> dict[str, Any]:
+    """Test accuracy after ``updates`` optimizer updates on load_digits.
+
+    Every variant applies the same number of updates of the same global
+    batch size per micro-step (``accum8`` averages 8 micro-batches per
+    update, so it sees 8 times more examples).
+    """
+    import jax
+
+    x_train, x_test, y_train, y_test = load_digits_split()
+    n = len(devices)
+    batch = n * DIGITS_PER_DEVICE_BATCH
+    steps = updates * (EVERY_K if variant == "accum8" else 1)
+    trainer = DataParallel(
+        devices, make_optimizer(variant, DIGITS_LEARNING_RATE, seed=seed)
+    )
+    params, state = trainer.init(init_mlp(DIGITS_LAYERS, seed=seed))
+    rng = np.random.default_rng(seed)
+    order = np.concatenate(
+        [
+            rng.permutation(len(x_train))
+            for _ in range(steps * batch // len(x_train) + 1)
+        ]
+    )
+    start = time.perf_counter()
+    for i in range(steps):
+        idx = order[i * batch : (i + 1) * batch]
+        x = trainer.put(x_train[idx], trainer.split)
+        y = trainer.put(y_train[idx], trainer.split)
+        params, state = trainer.step(params, state, x, y)
+    host = jax.tree.map(np.asarray, params)  # replicated: fully addressable
+    seconds = time.perf_counter() - start
+    predictions = np.argmax(np.asarray(logits_fn(host, x_test)), axis=-1)
+    return {
+        "variant": variant,
+        "seed": seed,
+        "updates": updates,
+        "micro_steps": steps,
+        "accuracy": float(np.mean(predictions == y_test)),
+        "train_s": seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--coordinator", required=True, help="host:port")
+    parser.add_argument("--task", choices=("timing", "accuracy"), required=True)
+    parser.add_argument("--out", required=True, help="JSON file (process 0)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=300)
+    parser.add_argument("--timeout", type=int, default=60, help="seconds")
+    args = parser.parse_args()
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        local_device_ids=[0],
+        initialization_timeout=args.timeout,
+        heartbeat_timeout_seconds=args.timeout,
+        shutdown_timeout_seconds=args.timeout,
+    )
+    devices = jax.devices()
+    print(
+        f"process {jax.process_index()}/{jax.process_count()}: "
+        f"{jax.local_device_count()} local of {len(devices)} devices",
+        file=sys.stderr,
+        flush=True,
+    )
+    variants = [v for v in args.variants.split(",") if v]
+    results = []
+    for variant in variants:
+        if args.task == "timing":
+            results.append(time_variant(devices, variant, args.warmup, args.repeats))
+        else:
+            for seed in range(args.seeds):
+                results.append(train_digits(devices, variant, seed, args.updates))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    if jax.process_index() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
