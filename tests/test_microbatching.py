@@ -493,7 +493,7 @@ class TestAcrossDevices:
 
 
 HLO_COLLECTIVE = re.compile(
-    r"=\s*(\([^=]*?\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all"
+    r"=\s*(\([^()]*\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all"
     r"|collective-permute)(?:-start)?\("
 )
 
