@@ -14,6 +14,14 @@ from one run:
 Targets (issue 5): with 8 micro-batches, temp memory <= 0.35x and step time
 <= 1.3x the full batch.
 
+A second table counts, from the compiled HLO, the collectives of one step
+under ``jax.jit`` with the batch sharded over 8 emulated CPU devices (a
+child process, so the timed run above keeps its single device): a plain
+``jax.value_and_grad`` in a ``jax.lax.scan`` over the micro-batches (the
+reference: XLA all-reduces the gradient in every micro-batch) against
+``microbatched_value_and_grad(..., data_axis="data")`` on Explicit and Auto
+meshes (target: one all-reduce per step, no gradient-sized one in the loop).
+
 Run: ``python benchmarks/bench_microbatch.py`` (about a minute on 2 CPU
 cores; ``--help`` for sizes).
 """
@@ -21,7 +29,11 @@ cores; ``--help`` for sizes).
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +91,107 @@ def median_seconds(
     return [statistics.median(fn_times) for fn_times in times]
 
 
+HLO_COLLECTIVE = re.compile(
+    r"=\s*(\([^()]*\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all"
+    r"|collective-permute)(?:-start)?\("
+)
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+
+def collectives_per_step(hlo: str, trips: int) -> tuple[int, int]:
+    """(collectives, bytes they carry) in one step of compiled ``hlo``.
+
+    A collective inside a while body (the scan) counts ``trips`` times; a
+    fused tuple all-reduce counts once, with the bytes of all its parts.
+    """
+    computation, entry, bodies, found = None, None, set(), []
+    for line in hlo.splitlines():
+        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header and not line.startswith(" "):
+            computation = header.group(2)
+            entry = computation if header.group(1) else entry
+            continue
+        bodies.update(re.findall(r"body=%?([\w.\-]+)", line))
+        match = HLO_COLLECTIVE.search(line)
+        if match:
+            nbytes = 0
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1)):
+                size = 1
+                for dim in filter(None, dims.split(",")):
+                    size *= int(dim)
+                nbytes += size * DTYPE_BYTES.get(dtype, 4)
+            found.append((computation, nbytes))
+    count = total = 0
+    for computation, nbytes in found:
+        times = trips if computation in bodies else 1
+        count, total = count + times, total + times * nbytes
+    return count, total
+
+
+def sharded_collectives(args: argparse.Namespace) -> None:
+    """Prints the collective counts of one sharded-jit step (8 devices)."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    count = 8
+    key_params, key_x, key_y = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = init_mlp(key_params, args.in_dim, args.width, args.depth, args.classes)
+    size = jax.device_count() * count * 4
+    batch = {
+        "x": jax.random.normal(key_x, (size, args.in_dim)),
+        "y": jax.random.randint(key_y, (size,), 0, args.classes),
+    }
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+
+    def scan_of_value_and_grad(params, batch):
+        microbatches = jax.tree.map(
+            lambda leaf: jnp.swapaxes(
+                leaf.reshape(leaf.shape[0] // count, count, *leaf.shape[1:]), 0, 1
+            ),
+            batch,
+        )
+
+        def body(carry, microbatch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, microbatch)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), params))
+        total, _ = jax.lax.scan(body, zeros, microbatches)
+        return jax.tree.map(lambda t: t / count, total)
+
+    ours = microbatched_value_and_grad(loss_fn, count, data_axis="data")
+    rows = []
+    for mode in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(mode,))
+        with jax.set_mesh(mesh):
+            sharded_params = jax.device_put(params, P())
+            sharded_batch = jax.device_put(batch, P("data"))
+            for name, fn in (
+                ("jax.value_and_grad in lax.scan", scan_of_value_and_grad),
+                ('microbatched, data_axis="data"', ours),
+            ):
+                hlo = jax.jit(fn).lower(sharded_params, sharded_batch).compile()
+                rows.append(
+                    (mode.name, name, *collectives_per_step(hlo.as_text(), count))
+                )
+    print(
+        f"\nSharded jit, {jax.device_count()} emulated CPU devices, batch {size} "
+        f"over 'data', m={count}; params {param_bytes / 2**20:.2f} MiB. "
+        "Collectives of one step, from the compiled HLO.\n"
+    )
+    print(
+        "| mesh | variant | collectives / step | vs reference "
+        "| MiB reduced / step | vs reference |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for index, (mode, name, n, nbytes) in enumerate(rows):
+        ref_n, ref_bytes = rows[index - index % 2][2:]
+        print(
+            f"| {mode} | {name} | {n} | {n / ref_n:.3f}x | "
+            f"{nbytes / 2**20:.2f} | {nbytes / ref_bytes:.3f}x |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8192)
@@ -87,8 +200,16 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--classes", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--sharded-only",
+        action="store_true",
+        help="only the sharded-jit collective table (needs several devices)",
+    )
     _headline.add_argument(parser)
     args = parser.parse_args()
+    if args.sharded_only:
+        sharded_collectives(args)
+        return
 
     key_params, key_x, key_y = jax.random.split(jax.random.PRNGKey(0), 3)
     params = init_mlp(key_params, args.in_dim, args.width, args.depth, args.classes)
@@ -142,6 +263,20 @@ def main() -> None:
         f"{'met' if memory_ok else 'MISSED'} ({eight_bytes / full_bytes:.2f}x); "
         f"step time <= 1.3x: {'met' if time_ok else 'MISSED'} "
         f"({eight_seconds / full_seconds:.2f}x)."
+    )
+    # The collective table needs 8 devices, which would change the timings
+    # above: it runs in a child process with its own XLA flags.
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip(),
+    }
+    forwarded = [
+        f"--{name}={getattr(args, name.replace('-', '_'))}"
+        for name in ("in-dim", "width", "depth", "classes")
+    ]
+    subprocess.run(
+        [sys.executable, __file__, "--sharded-only", *forwarded], env=env, check=True
     )
     _headline.write(
         args.json,

@@ -170,6 +170,18 @@ TABLE: list[Row] = [
     ),
     Row("microbatched_value_and_grad", "loss_fn", (3, None), CALLABLE),
     Row("microbatched_value_and_grad", "weight_fn", (3, "mask"), CALLABLE),
+    # Micro-batching: the PRNG key's slot and the data-parallel layout.
+    Row(
+        "microbatched_value_and_grad",
+        "key_argnum",
+        (0, 1, -1, True, 2.5, "", "not a name", ("key",)),
+        r"integer >= 2.*identifier",
+    ),
+    Row("microbatched_value_and_grad", "data_axis", ("", 3, ("data",)), AXIS_NAME),
+    Row("microbatched_value_and_grad", "gather_params_once", ("True", None), BOOL),
+    Row("microbatched_value_and_grad", "unreduced_grads", ("True", None), BOOL),
+    # Unreduced over which axis: it needs `data_axis`.
+    Row("microbatched_value_and_grad", "unreduced_grads", (True,), r"data_axis"),
 ]
 
 

@@ -6,6 +6,8 @@ micro-batches), with and without jit.
 """
 
 import functools
+import re
+import warnings
 
 import chex
 import jax
@@ -200,13 +202,13 @@ class TestKeys:
     def test_each_microbatch_gets_fold_in_key(self):
         params, batch = make_params(), make_batch()
         key = jax.random.PRNGKey(42)
-        fn = jax.jit(microbatched_value_and_grad(dropout_loss, 4))
+        fn = jax.jit(microbatched_value_and_grad(dropout_loss, 4, key_argnum="key"))
         expected = manual_key_reference(params, batch, key, 4)
         close(fn(params, batch, key=key), expected)
 
     def test_positional_and_typed_keys(self):
         params, batch = make_params(), make_batch()
-        fn = microbatched_value_and_grad(dropout_loss, 4)
+        fn = microbatched_value_and_grad(dropout_loss, 4, key_argnum="key")
         key = jax.random.PRNGKey(7)
         expected = manual_key_reference(params, batch, key, 4)
         close(jax.jit(fn)(params, batch, key), expected)
@@ -220,13 +222,59 @@ class TestKeys:
 
         params, batch = make_params(), make_batch()
         key = jax.random.PRNGKey(3)
-        fn = jax.jit(microbatched_value_and_grad(loss_kw_only, 4))
+        fn = jax.jit(microbatched_value_and_grad(loss_kw_only, 4, key_argnum="key"))
         close(fn(params, batch, key=key), manual_key_reference(params, batch, key, 4))
         # A key-taking loss called without a key runs deterministically.
+        fn = microbatched_value_and_grad(dropout_loss, 4, key_argnum=2)
+        close(jax.jit(fn)(params, batch), full_mean_loss(params, batch))
+
+    @pytest.mark.parametrize("key_argnum", [2, "key"])
+    def test_loss_wrapped_without_functools_wraps_gets_distinct_keys(self, key_argnum):
+        def wrapped(*args, **kwargs):  # hides dropout_loss's signature
+            return dropout_loss(*args, **kwargs)
+
+        params, batch = make_params(), make_batch()
+        key = jax.random.PRNGKey(5)
+        expected = manual_key_reference(params, batch, key, 4)
+        fn = jax.jit(microbatched_value_and_grad(wrapped, 4, key_argnum=key_argnum))
+        if key_argnum == 2:
+            close(fn(params, batch, key), expected)
+        else:
+            close(fn(params, batch, key=key), expected)
+        # Without key_argnum the key is invisible: every micro-batch draws
+        # the same mask, a different (wrong) result.
+        same_key = jax.jit(microbatched_value_and_grad(wrapped, 4))
+        assert not np.allclose(same_key(params, batch, key)[0], expected[0])
+
+    def test_integer_key_argnum_also_finds_the_keyword(self):
+        # With an inspectable signature, position 2 is also the name `key`.
+        params, batch = make_params(), make_batch()
+        key = jax.random.PRNGKey(9)
+        fn = jax.jit(microbatched_value_and_grad(dropout_loss, 4, key_argnum=2))
+        close(fn(params, batch, key=key), manual_key_reference(params, batch, key, 4))
+
+    def test_key_found_by_name_warns_and_still_folds(self):
+        params, batch = make_params(), make_batch()
+        key = jax.random.PRNGKey(42)
+        with pytest.warns(DeprecationWarning, match=r"pass `key_argnum=`"):
+            fn = microbatched_value_and_grad(dropout_loss, 4)
         close(
-            jax.jit(microbatched_value_and_grad(dropout_loss, 4))(params, batch),
-            full_mean_loss(params, batch),
+            jax.jit(fn)(params, batch, key), manual_key_reference(params, batch, key, 4)
         )
+
+    def test_no_warning_with_key_argnum_or_without_key(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            microbatched_value_and_grad(dropout_loss, 4, key_argnum="key")
+            microbatched_value_and_grad(dropout_loss, 4, key_argnum=2)
+            microbatched_value_and_grad(mean_loss, 4)
+
+    @pytest.mark.parametrize("bad", [0, 1, -1, True, 2.5, "", "not a name", ["key"]])
+    def test_bad_key_argnum(self, bad):
+        with pytest.raises(
+            ValueError, match=r"`key_argnum` must be None, an integer >= 2"
+        ):
+            microbatched_value_and_grad(dropout_loss, 4, key_argnum=bad)
 
 
 def scan_carry_dtypes(fn, *args):
@@ -442,6 +490,237 @@ class TestAcrossDevices:
         hlo = compiled.as_text()
         for collective in ("all-gather", "all-to-all", "collective-permute"):
             assert collective not in hlo
+
+
+HLO_COLLECTIVE = re.compile(
+    r"=\s*(\([^()]*\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all"
+    r"|collective-permute)(?:-start)?\("
+)
+
+
+def hlo_collectives(fn, *args):
+    """``{"entry" | "loop": [(op, shape), ...]}`` in ``jax.jit(fn)``'s HLO.
+
+    "loop" gathers the collectives of every while body (the scan); a fused
+    tuple all-reduce counts once, its shape given as the sorted tuple of its
+    parts (XLA picks the order).
+    """
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    computation, entry, bodies, found = None, None, set(), {}
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header and not line.startswith(" "):
+            computation = header.group(2)
+            entry = computation if header.group(1) else entry
+            continue
+        bodies.update(re.findall(r"body=%?([\w.\-]+)", line))
+        match = HLO_COLLECTIVE.search(line)
+        if match and computation:
+            parts = re.findall(r"\w+\[[\d,]*\](?:\{[\d,]*\})?", match.group(1))
+            found.setdefault(computation, []).append((match.group(2), *sorted(parts)))
+    places = {"entry": [], "loop": []}
+    for name, ops in found.items():
+        place = "entry" if name == entry else "loop" if name in bodies else name
+        places.setdefault(place, []).extend(ops)
+    return places
+
+
+def all_reduce(*parts):
+    """A (fused) all-reduce as `hlo_collectives` lists it."""
+    return ("all-reduce", *sorted(parts))
+
+
+def sharded_masked_batch():
+    """8 devices x 4 micro-batches x 2 examples, with a mask that leaves some
+    (device, micro-batch) shares empty: their 0/0 NaN loss must drop out."""
+    batch = make_batch(batch=NUM_DEVICES * 8)
+    mask = np.random.default_rng(2).random(NUM_DEVICES * 8) < 0.6
+    # Device d holds rows 8d..8d+7; its micro-batch i holds rows 8d+i, 8d+i+4.
+    mask[[0, 4, 8 + 1, 8 + 5]] = False
+    batch["mask"] = jnp.asarray(mask.astype(np.float32))
+    return batch
+
+
+def data_mesh(axis_type):
+    return jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(axis_type,))
+
+
+def sharded_grad_fn(**kwargs):
+    return microbatched_value_and_grad(
+        masked_mean_loss, 4, weight_fn=valid_count, data_axis="data", **kwargs
+    )
+
+
+def gradient_sized(ops):
+    """The collectives whose (tuple) shape holds a parameter-sized array."""
+    sizes = (f"f32[{IN_DIM},{CLASSES}]", f"f32[{CLASSES},{IN_DIM}]")
+    return [op for op in ops if any(p.startswith(sizes) for p in op[1:])]
+
+
+EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+
+
+class TestDataAxisUnderJit:
+    """``data_axis``: device-local accumulation, one reduction per step."""
+
+    @pytest.mark.parametrize("axis_type", [EXPLICIT, AUTO], ids=["explicit", "auto"])
+    def test_one_fused_all_reduce_after_the_scan(self, axis_type):
+        params, batch = make_params(), sharded_masked_batch()
+        expected = full_masked_mean_loss(params, batch)
+        with jax.set_mesh(data_mesh(axis_type)):
+            params = jax.device_put(params, P())
+            batch = jax.device_put(batch, P("data"))
+            plain = microbatched_value_and_grad(
+                masked_mean_loss, 4, weight_fn=valid_count
+            )
+            ours = sharded_grad_fn()
+            plain_places = hlo_collectives(plain, params, batch)
+            places = hlo_collectives(ours, params, batch)
+            loss, grads = jax.jit(ours)(params, batch)
+        # Without data_axis, XLA reduces the gradient in every micro-batch.
+        assert gradient_sized(plain_places["loop"])
+        # With it: nothing in the scan, one tuple all-reduce (loss, the two
+        # gradient leaves, the total weight) after it.
+        assert places["loop"] == []
+        assert places["entry"] == [
+            all_reduce(
+                "f32[]",
+                "f32[]",
+                f"f32[{CLASSES}]{{0}}",
+                f"f32[{IN_DIM},{CLASSES}]{{1,0}}",
+            )
+        ]
+        close((loss, grads), expected)
+
+    def test_unreduced_grads_skip_the_gradient_all_reduce(self):
+        params, batch = make_params(), sharded_masked_batch()
+        expected = full_masked_mean_loss(params, batch)
+        with jax.set_mesh(data_mesh(EXPLICIT)):
+            params = jax.device_put(params, P())
+            batch = jax.device_put(batch, P("data"))
+            fn = sharded_grad_fn(unreduced_grads=True)
+            places = hlo_collectives(fn, params, batch)
+            loss, grads = jax.jit(fn)(params, batch)
+            assert jax.typeof(grads["w"]).sharding.spec.unreduced == {"data"}
+            reduced = jax.jit(lambda g: jax.sharding.reshard(g, P()))(grads)
+        assert places == {"entry": [("all-reduce", "f32[]", "f32[]")], "loop": []}
+        close((loss, reduced), expected)
+
+    @pytest.mark.parametrize(
+        "once", [True, False], ids=["gather-once", "per-microbatch"]
+    )
+    def test_fsdp_params(self, once):
+        # w sharded over the data axis on its first dim (IN_DIM * 8 rows so
+        # it divides), b replicated.
+        params = {
+            "w": jnp.asarray(
+                np.random.default_rng(3)
+                .standard_normal((NUM_DEVICES, CLASSES))
+                .astype(np.float32)
+            ),
+            "b": make_params()["b"],
+        }
+        batch = sharded_masked_batch()
+        batch["x"] = jnp.asarray(
+            np.random.default_rng(4)
+            .standard_normal((NUM_DEVICES * 8, NUM_DEVICES))
+            .astype(np.float32)
+        )
+        expected = full_masked_mean_loss(params, batch)
+        with jax.set_mesh(data_mesh(EXPLICIT)):
+            params = {
+                "w": jax.device_put(params["w"], P("data", None)),
+                "b": jax.device_put(params["b"], P()),
+            }
+            batch = jax.device_put(batch, P("data"))
+            fn = sharded_grad_fn(gather_params_once=once)
+            places = hlo_collectives(fn, params, batch)
+            loss, grads = jax.jit(fn)(params, batch)
+            assert jax.typeof(grads["w"]).sharding.spec == P("data", None)
+        w_full = f"f32[{NUM_DEVICES},{CLASSES}]{{1,0}}"
+        bias = f"f32[{CLASSES}]{{0}}"
+        assert ("all-gather", w_full) in places["entry"]
+        if once:
+            assert places["loop"] == []
+            assert places["entry"] == [
+                ("all-gather", w_full),
+                all_reduce("f32[]", "f32[]", bias, w_full),
+            ]
+        else:
+            # The weighted gradient of w is reduce-scattered in every
+            # micro-batch (XLA hoists the loop-invariant gather on CPU).
+            assert places["loop"] == [("reduce-scatter", f"f32[1,{CLASSES}]{{1,0}}")]
+            assert places["entry"] == [
+                ("all-gather", w_full),
+                all_reduce("f32[]", "f32[]", bias),
+            ]
+        close((loss, grads), expected)
+
+    def test_keys_are_folded_with_the_device_then_the_microbatch(self):
+        params, batch = make_params(), make_batch(batch=NUM_DEVICES * 8)
+        key = jax.random.PRNGKey(11)
+        rows = np.arange(NUM_DEVICES * 8).reshape(NUM_DEVICES, 8)
+        results = [
+            full_dropout_loss(
+                params,
+                jax.tree.map(lambda leaf, r=rows[d][i::4]: np.asarray(leaf)[r], batch),
+                key=jax.random.fold_in(jax.random.fold_in(key, d), i),
+            )
+            for d in range(NUM_DEVICES)
+            for i in range(4)
+        ]
+        expected = jax.tree.map(lambda *leaves: sum(leaves) / len(results), *results)
+        fn = microbatched_value_and_grad(
+            dropout_loss, 4, key_argnum=2, data_axis="data"
+        )
+        with jax.set_mesh(data_mesh(AUTO)):
+            batch = jax.device_put(batch, P("data"))
+            close(jax.jit(fn)(jax.device_put(params, P()), batch, key), expected)
+
+    def test_explicit_mesh_splits_a_replicated_batch_and_passes_extra_args(self):
+        def scaled_loss(params, batch, scale, square):
+            loss = masked_mean_loss(params, batch) * scale
+            return loss**2 if square else loss
+
+        params, batch = make_params(), sharded_masked_batch()
+        loss, grads = full_masked_mean_loss(params, batch)
+        fn = microbatched_value_and_grad(
+            scaled_loss, 4, weight_fn=valid_count, data_axis="data"
+        )
+        with jax.set_mesh(data_mesh(EXPLICIT)):
+            result = jax.jit(fn, static_argnums=3)(
+                jax.device_put(params, P()), jax.device_put(batch, P()), 3.0, False
+            )
+        close(result, (3.0 * loss, jax.tree.map(lambda g: 3.0 * g, grads)))
+
+    def test_trace_time_errors(self):
+        params, batch = make_params(), make_batch(batch=NUM_DEVICES * 8)
+        with pytest.raises(ValueError, match=r"`data_axis`='data' is not an axis"):
+            jax.jit(sharded_grad_fn())(params, batch)
+        with jax.set_mesh(data_mesh(AUTO)):
+            with pytest.raises(
+                ValueError, match=r"`unreduced_grads`=True needs .* Explicit"
+            ):
+                jax.jit(
+                    microbatched_value_and_grad(
+                        mean_loss, 4, data_axis="data", unreduced_grads=True
+                    )
+                )(params, batch)
+            fn = microbatched_value_and_grad(mean_loss, 16, data_axis="data")
+            with pytest.raises(
+                ValueError, match=r"`num_microbatches`=16 times the `data_axis` size 8"
+            ):
+                jax.jit(fn)(params, batch)
+
+    def test_construction_errors(self):
+        with pytest.raises(
+            ValueError, match=r"`unreduced_grads`=True needs `data_axis`"
+        ):
+            microbatched_value_and_grad(mean_loss, 4, unreduced_grads=True)
+        with pytest.raises(
+            ValueError, match=r"`data_axis` must be None or a non-empty string"
+        ):
+            microbatched_value_and_grad(mean_loss, 4, data_axis="")
 
 
 class TestErrors:
