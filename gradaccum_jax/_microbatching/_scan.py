@@ -1,0 +1,163 @@
+"""The scan over micro-batches: weighted sums of values and gradients, then means."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax import _weights
+from gradaccum_jax._tree import vary_over, varying_axes
+
+if TYPE_CHECKING:
+    from gradaccum_jax._microbatching._sharded import ShardedParams
+
+
+def carry_zeros(tree: Any, dtype: jnp.dtype) -> Any:
+    """Zeros shaped like ``tree``'s leaves, varying where its leaves vary.
+
+    Inside ``shard_map`` (with ``check_vma``) a scan carry must have the
+    type the body returns: zeros are device-invariant, but a gradient of a
+    device's own micro-batch varies over the batch axis, so the zeros are
+    cast to varying (a no-op on the values, no communication).
+    """
+
+    def zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
+        return vary_over(jnp.zeros(struct.shape, dtype), varying_axes(struct))
+
+    return jax.tree.map(zeros, tree)
+
+
+class MicrobatchCall:
+    """``value_and_grad(params, microbatch, *args, **kwargs)`` for micro-batch i.
+
+    If the loss takes a PRNG key, micro-batch i gets ``fold_in(key, i)``:
+    independent dropout masks per micro-batch, for raw and typed keys alike.
+    With a data axis (``shard``) the key is first folded with the device
+    index, so that devices draw different masks for their examples.
+    """
+
+    def __init__(self, value_and_grad_fn, params, args, kwargs, key_slot, shard):
+        self._fn, self._params, self._shard = value_and_grad_fn, params, shard
+        self._args, self._kwargs = list(args), dict(kwargs)
+        # key_slot.position counts params and batch; args start after them.
+        position = None if key_slot.position is None else key_slot.position - 2
+        self._key_index = self._key_name = self._key = None
+        if key_slot.name is not None and key_slot.name in kwargs:
+            self._key_name, self._key = key_slot.name, kwargs[key_slot.name]
+        elif position is not None and position < len(args):
+            self._key_index, self._key = position, args[position]
+        if self._key is not None and shard is not None:
+            device = jax.lax.axis_index(shard.axis)
+            self._key = jax.random.fold_in(self._key, device)
+
+    def __call__(self, microbatch: Any, index: jax.Array) -> Any:
+        args, kwargs = list(self._args), dict(self._kwargs)
+        if self._key is not None:
+            microbatch_key = jax.random.fold_in(self._key, index)
+            if self._key_index is not None:
+                args[self._key_index] = microbatch_key
+            else:
+                kwargs[self._key_name] = microbatch_key
+        params = self._params if self._shard is None else self._shard.full(self._params)
+        return self._fn(params, microbatch, *args, **kwargs)
+
+
+def microbatch_weight(weight: Any) -> jax.Array:
+    """A ``weight_fn`` result as a float32 scalar, or a clear error."""
+    if jnp.shape(weight) != ():
+        raise ValueError(
+            "`weight_fn` must return a scalar weight per micro-batch, "
+            f"got shape {jnp.shape(weight)}. Reduce it, e.g. "
+            "`lambda mb: mb['mask'].sum()`."
+        )
+    return _weights.scalar_weight(weight, "microbatched_value_and_grad: weight_fn")
+
+
+def weighted_sums(
+    call: MicrobatchCall,
+    weight_of: Callable[[Any], jax.Array],
+    microbatches: Any,
+    accumulator_dtype: jnp.dtype,
+    shard: ShardedParams | None = None,
+) -> tuple[Any, Any, jax.Array, Any, Any]:
+    """Scans the micro-batches, summing ``w_i * value_i`` and ``w_i * grads_i``.
+
+    With ``shard``, each weighted gradient contribution goes through
+    ``shard.reduce_contribution`` (a reduce-scatter for parameters gathered
+    per micro-batch) before it is added. Returns the value sums, gradient
+    sums, the total weight, and the shapes and dtypes of one micro-batch's
+    value and gradients.
+    """
+    reduce_contribution = (lambda g: g) if shard is None else shard.reduce_contribution
+    num_microbatches = jax.tree.leaves(microbatches)[0].shape[0]
+    first_microbatch = jax.tree.map(lambda leaf: leaf[0], microbatches)
+    # Shapes and dtypes of one micro-batch's outputs, to build the
+    # accumulators without running anything.
+    value_shape, grads_shape = jax.eval_shape(
+        call, first_microbatch, jnp.zeros((), jnp.uint32)
+    )
+    weight_shape = jax.eval_shape(weight_of, first_microbatch)
+    acc_shape = jax.eval_shape(
+        lambda mb: reduce_contribution(
+            jax.tree.map(
+                lambda g: g.astype(accumulator_dtype),
+                call(mb, jnp.zeros((), jnp.uint32))[1],
+            )
+        ),
+        first_microbatch,
+    )
+
+    def accumulate(carry: Any, scanned: Any) -> Any:
+        acc_value, acc_grads, total_weight = carry
+        microbatch, index = scanned
+        value, grads = call(microbatch, index)
+        weight = weight_of(microbatch).astype(accumulator_dtype)
+
+        def weighted(new: jax.Array) -> jax.Array:
+            # A micro-batch without valid examples often has a NaN loss
+            # (0 / 0); weight 0 must drop it, and 0 * NaN = NaN.
+            new = new.astype(accumulator_dtype)
+            return jnp.where(weight != 0, weight * new, jnp.zeros_like(new))
+
+        acc_value = jax.tree.map(jnp.add, acc_value, jax.tree.map(weighted, value))
+        contribution = jax.tree.map(weighted, grads)
+        acc_grads = jax.tree.map(jnp.add, acc_grads, reduce_contribution(contribution))
+        return (acc_value, acc_grads, total_weight + weight), None
+
+    init = (
+        carry_zeros(value_shape, accumulator_dtype),
+        carry_zeros(acc_shape, accumulator_dtype),
+        carry_zeros(weight_shape, accumulator_dtype),
+    )
+    if num_microbatches == 1:
+        # A one-step scan still keeps a copy of the carry and the loop
+        # buffers alive (about 1.1x the plain temp memory on CPU); the
+        # direct call lets XLA fold the zero accumulators away.
+        carry, _ = accumulate(init, (first_microbatch, jnp.uint32(0)))
+    else:
+        indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
+        carry, _ = jax.lax.scan(accumulate, init, (microbatches, indices))
+    return (*carry, value_shape, grads_shape)
+
+
+def weighted_means(
+    acc_value: Any,
+    acc_grads: Any,
+    total_weight: jax.Array,
+    value_shape: Any,
+    grads_shape: Any,
+) -> tuple[Any, Any]:
+    """Divides the sums by the total weight, back in the outputs' dtypes."""
+    inverse, _ = _weights.share(jnp.ones_like(total_weight), total_weight)
+
+    def mean(acc: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
+        out_dtype = like.dtype if jnp.issubdtype(like.dtype, jnp.inexact) else acc.dtype
+        return (acc * inverse.astype(acc.dtype)).astype(out_dtype)
+
+    return (
+        jax.tree.map(mean, acc_value, value_shape),
+        jax.tree.map(mean, acc_grads, grads_shape),
+    )

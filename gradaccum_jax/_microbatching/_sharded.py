@@ -1,0 +1,227 @@
+"""One step laid out over a mesh's data axis: device-local scans, one reduction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gradaccum_jax._microbatching._scan import weighted_means
+from gradaccum_jax._tree import vary_over
+
+
+class DataLayout(NamedTuple):
+    """How a step is laid out over the data axis.
+
+    ``gather_dims`` holds, per parameter leaf, the dimension sharded over
+    the axis when that leaf is gathered in every micro-batch (None: the
+    leaf enters the scan whole, gathered once if it was sharded).
+    """
+
+    axis: str
+    size: int
+    explicit: bool
+    gather_dims: Any
+    unreduced: bool
+
+    @classmethod
+    def of(cls, axis, params, gather_params_once, unreduced) -> DataLayout:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or axis not in mesh.axis_names:
+            raise ValueError(
+                f"`data_axis`={axis!r} is not an axis of the current mesh "
+                f"(axes {tuple(mesh.axis_names)}); set a mesh with that axis "
+                "with `jax.set_mesh(mesh)` around the call (or the jit)."
+            )
+        kind = mesh.axis_types[mesh.axis_names.index(axis)]
+        explicit = kind == jax.sharding.AxisType.Explicit
+        if unreduced and not explicit:
+            raise ValueError(
+                f"`unreduced_grads`=True needs `data_axis`={axis!r} to be an "
+                f"Explicit mesh axis, but it is {kind}: unreduced arrays are a "
+                "type of Explicit sharding."
+            )
+
+        def gather_dim(leaf: Any) -> int | None:
+            # Auto axes do not show in the type while tracing: a leaf then
+            # looks replicated and shard_map gathers it once.
+            if gather_params_once or not explicit:
+                return None
+            spec = jax.typeof(leaf).sharding.spec
+            dims = [i for i, entry in enumerate(spec) if entry == axis]
+            return dims[0] if dims else None
+
+        gather_dims = jax.tree.map(gather_dim, params)
+        return cls(axis, mesh.shape[axis], explicit, gather_dims, unreduced)
+
+    def param_spec(self, dim: int | None) -> P:
+        return P() if dim is None else P(*[None] * dim, self.axis)
+
+
+class ShardedParams:
+    """Parameters as one device sees them inside the scan, and how its
+    weighted gradient contribution is reduced in each micro-batch.
+
+    Leaves gathered once are marked varying so that ``jax.grad`` keeps each
+    device's gradient (an invariant primal would make it psum the gradient
+    in every micro-batch). Leaves gathered per micro-batch are all-gathered
+    when the loss runs and their weighted contribution reduce-scattered back
+    to the shard, so the accumulator holds only the shard.
+    """
+
+    def __init__(self, layout: DataLayout):
+        self._layout = layout
+
+    @property
+    def axis(self) -> str:
+        return self._layout.axis
+
+    def full(self, params: Any) -> Any:
+        axis = self._layout.axis
+
+        def gather(leaf: jax.Array, dim: int | None) -> jax.Array:
+            if dim is not None:
+                leaf = jax.lax.all_gather(leaf, axis, axis=dim, tiled=True)
+            return vary_over(leaf, frozenset({axis}))
+
+        return jax.tree.map(gather, params, self._layout.gather_dims)
+
+    def reduce_contribution(self, grads: Any) -> Any:
+        axis = self._layout.axis
+
+        def scatter(leaf: jax.Array, dim: int | None) -> jax.Array:
+            if dim is None:
+                return leaf
+            return jax.lax.psum_scatter(leaf, axis, scatter_dimension=dim, tiled=True)
+
+        return jax.tree.map(scatter, grads, self._layout.gather_dims)
+
+
+def over_data_axis(local_sums, layout, params, batch, args, kwargs):
+    """Runs the micro-batch scan per device over ``layout.axis`` and reduces
+    the sums once after it (one fused all-reduce)."""
+    dynamic, rebuild = _dynamic_leaves((args, kwargs))
+    axis = layout.axis
+    is_leaf = lambda x: x is None  # noqa: E731 (gather_dims holds Nones)
+
+    def device_step(params, batch, dynamic):
+        args, kwargs = rebuild(dynamic)
+        shard = ShardedParams(layout)
+        acc_value, acc_grads, total, value_shape, grads_shape = local_sums(
+            params, batch, args, kwargs, shard
+        )
+        whole = jax.tree.map(
+            lambda g, dim: g if dim is None else None,
+            acc_grads,
+            layout.gather_dims,
+            is_leaf=is_leaf,
+        )
+        if layout.unreduced:
+            acc_value, total = jax.lax.psum((acc_value, total), axis)
+        else:
+            acc_value, whole, total = jax.lax.psum((acc_value, whole, total), axis)
+        acc_grads = jax.tree.map(
+            lambda reduced, g, dim: g if dim is not None else reduced,
+            whole,
+            acc_grads,
+            layout.gather_dims,
+            is_leaf=is_leaf,
+        )
+        value, grads = weighted_means(
+            acc_value, acc_grads, total, value_shape, grads_shape
+        )
+        if layout.unreduced:
+            grads = jax.tree.map(
+                lambda g, dim: (
+                    g if dim is not None else jax.lax.pcast(g, axis, to="unreduced")
+                ),
+                grads,
+                layout.gather_dims,
+                is_leaf=is_leaf,
+            )
+        return value, grads
+
+    def grad_spec(dim: int | None) -> P:
+        if dim is None and layout.unreduced:
+            return P(unreduced={axis})
+        return layout.param_spec(dim)
+
+    if layout.explicit:
+        # Explicit shard_map does not reshard its inputs: gather the leaves
+        # that enter the scan whole here, once per step, and split the batch
+        # over the axis if it is not already.
+        inputs = jax.tree.map(
+            lambda p, dim: p if dim is not None else _gathered(p, axis),
+            params,
+            layout.gather_dims,
+        )
+        batch = jax.tree.map(lambda leaf: _split_over(leaf, axis), batch)
+        dynamic = [_gathered(jnp.asarray(leaf), axis) for leaf in dynamic]
+    else:
+        inputs = params
+    param_specs = jax.tree.map(layout.param_spec, layout.gather_dims, is_leaf=is_leaf)
+    grad_specs = jax.tree.map(grad_spec, layout.gather_dims, is_leaf=is_leaf)
+    value, grads = jax.shard_map(
+        device_step,
+        in_specs=(param_specs, P(axis), P()),
+        out_specs=(P(), grad_specs),
+        axis_names={axis},
+    )(inputs, batch, dynamic)
+    if layout.explicit and not layout.unreduced:
+        # Gradients of parameters sharded over the axis but gathered once
+        # come out replicated: give them the parameter's sharding back (a
+        # local slice, no communication).
+        grads = jax.tree.map(
+            lambda g, p: jax.sharding.reshard(g, jax.typeof(p).sharding.spec),
+            grads,
+            params,
+        )
+    return value, grads
+
+
+def _gathered(leaf: jax.Array, axis: str) -> jax.Array:
+    """``leaf`` resharded to be whole along ``axis`` (other axes kept)."""
+    spec = jax.typeof(leaf).sharding.spec
+
+    def drop(entry: Any) -> Any:
+        if entry == axis:
+            return None
+        if isinstance(entry, tuple):
+            kept = tuple(name for name in entry if name != axis)
+            return kept or None
+        return entry
+
+    whole = P(*map(drop, spec))
+    return leaf if whole == spec else jax.sharding.reshard(leaf, whole)
+
+
+def _split_over(leaf: jax.Array, axis: str) -> jax.Array:
+    """``leaf`` sharded over ``axis`` along its batch (leading) axis."""
+    spec = jax.typeof(leaf).sharding.spec
+    if spec and spec[0] == axis:
+        return leaf
+    return jax.sharding.reshard(_gathered(leaf, axis), P(axis))
+
+
+def _dynamic_leaves(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Splits ``tree`` into its array leaves and a function rebuilding it.
+
+    Arrays cross the ``shard_map`` boundary (replicated); other leaves
+    (Python flags, strings) are closed over, as ``jax.jit`` would see them.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+
+    def rebuild(dynamic: list[Any]) -> Any:
+        arrays = iter(dynamic)
+        merged = [
+            next(arrays) if a else leaf
+            for a, leaf in zip(is_array, leaves, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, merged)
+
+    return [leaf for a, leaf in zip(is_array, leaves, strict=True) if a], rebuild

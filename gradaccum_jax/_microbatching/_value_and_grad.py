@@ -1,0 +1,218 @@
+"""`microbatched_value_and_grad`: the public entry point, built from the steps
+of the sibling modules (keys, batch splitting, the scan, the data-axis layout)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum_jax import _checks
+from gradaccum_jax._microbatching._batch import checked_batch_size, strided_split
+from gradaccum_jax._microbatching._keys import KeySlot, key_slot
+from gradaccum_jax._microbatching._scan import (
+    MicrobatchCall,
+    microbatch_weight,
+    weighted_means,
+    weighted_sums,
+)
+from gradaccum_jax._microbatching._sharded import DataLayout, over_data_axis
+
+
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    weight_fn: Callable[[Any], jax.Array] | None = None,
+    accumulator_dtype: Any = jnp.float32,
+    key_argnum: int | str | None = None,
+    data_axis: str | None = None,
+    gather_params_once: bool = True,
+    unreduced_grads: bool = False,
+) -> Callable[..., Any]:
+    """``jax.value_and_grad`` over a batch split into micro-batches.
+
+    The returned function has the signature and outputs of
+    ``jax.value_and_grad(loss_fn, has_aux=has_aux)`` (gradients with respect
+    to argument 0). Its argument 1, the batch, is a pytree whose leaves share
+    a leading batch axis of size B; it is split into ``num_microbatches``
+    strided micro-batches (micro-batch i holds examples i, i + m, ...) and
+    ``jax.lax.scan`` runs the forward and backward pass on one micro-batch
+    at a time, so activation memory is that of a batch of B / m.
+
+    With weights w_i (``weight_fn(microbatch_i)``, 1 without ``weight_fn``),
+    the result is::
+
+        loss  = sum_i w_i loss_i  / sum_i w_i
+        grads = sum_i w_i grads_i / sum_i w_i
+        aux   = sum_i w_i aux_i   / sum_i w_i     (leaf-wise, with has_aux)
+
+    accumulated in ``accumulator_dtype``. Without ``weight_fn`` this is the
+    mean of the micro-batch means, which is the big-batch mean since the
+    micro-batches are equal in size. When ``loss_fn`` is a mean over valid
+    examples (e.g. non-padding tokens) and ``weight_fn`` counts them, it is
+    exactly the big-batch loss and gradient even when the micro-batches hold
+    different numbers of valid examples. A micro-batch of weight 0 adds
+    nothing (not even a NaN from an empty mean), and a zero total weight
+    gives zeros.
+
+    PRNG keys: with ``key_argnum`` (the key's position among ``loss_fn``'s
+    arguments, params being 0 and the batch 1, or its keyword name) and a
+    key passed there, micro-batch i sees ``jax.random.fold_in(key, i)``, so
+    dropout masks differ between micro-batches. Without ``key_argnum`` a
+    parameter literally named ``key`` in ``loss_fn``'s signature is still
+    used, with a DeprecationWarning: a decorator without ``functools.wraps``
+    hides the signature and every micro-batch would silently get the same
+    key. Other arguments after the batch are passed unchanged to every
+    micro-batch. Aux outputs are averaged, so they should be per-batch
+    statistics (accuracy, a mean norm); per-example aux outputs are not
+    concatenated.
+
+    Data parallelism under ``jax.jit`` (``data_axis``): with a mesh set by
+    ``jax.set_mesh`` (Explicit or Auto axes) and the batch sharded along its
+    batch axis over the mesh axis ``data_axis``, each device runs the scan
+    over its own examples (``jax.shard_map`` over ``data_axis`` only; other
+    mesh axes, e.g. tensor parallelism, stay as they are) and the gradient is
+    reduced once per step, after the scan, in one fused all-reduce with the
+    loss and the total weight. Without ``data_axis``, XLA all-reduces the
+    replicated parameters' gradient in every micro-batch. Here a
+    "micro-batch" is one device's share of one micro-batch: the weights are
+    per device (a device whose share has no valid example adds nothing), so
+    ``loss_fn`` must be a per-example mean (and ``weight_fn`` a count) for
+    the result to be the big-batch one; losses that couple examples across
+    the batch (batch norm statistics, in-batch negatives) see the device's
+    examples only. The key, if any, is also folded with the device index.
+    B must be divisible by ``num_microbatches`` times the axis size.
+
+    FSDP / ZeRO-3 (parameters sharded over ``data_axis``, Explicit mesh):
+    with ``gather_params_once=True`` (default) every such parameter is
+    all-gathered once per step, before the scan, and its gradient is reduced
+    once after it and returned with the parameter's sharding: the fewest
+    collectives, but every device holds the full parameters and a full-size
+    gradient accumulator for the whole scan. With
+    ``gather_params_once=False`` each micro-batch all-gathers the parameter
+    and reduce-scatters its weighted gradient into a sharded accumulator:
+    2 collectives per micro-batch and parameter, but only the shard is held
+    between micro-batches (XLA may still hoist the loop-invariant gather out
+    of the loop). On an Auto mesh the parameters' sharding is not visible
+    while tracing, so they are always gathered once.
+
+    ``unreduced_grads=True`` (Explicit mesh only) skips the gradient
+    reduction: the gradients come back typed unreduced over ``data_axis``
+    (``P(..., unreduced={data_axis})``: each device holds its weighted share
+    ``sum_i w_di grads_di / sum_di w_di``, the sum over devices is the
+    gradient), so an accumulator that keeps unreduced gradients can add
+    several steps and reduce once per window; only the loss and the total
+    weight (scalars) are all-reduced. Leaves reduce-scattered per
+    micro-batch (``gather_params_once=False``) come back reduced.
+
+    Inside ``jax.pmap`` the function adds no collective: follow it with one
+    cross-device mean of the gradients (``jax.lax.pmean`` or
+    ``gradaccum_jax.average_across_devices``, weighted by the device's
+    ``weight_fn`` total) for one reduction per step. Inside ``shard_map``,
+    mark replicated parameters varying first
+    (``jax.lax.pcast(params, axis, to="varying")``); otherwise ``jax.grad``
+    itself sums the gradient over the axis in every micro-batch.
+
+    Example::
+
+        def loss_fn(params, batch, key):
+            logits = apply(params, batch["x"], dropout_key=key)
+            mask = batch["mask"]
+            losses = optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["y"])
+            return jnp.sum(losses * mask) / jnp.maximum(mask.sum(), 1)
+
+        grad_fn = microbatched_value_and_grad(
+            loss_fn, 8, weight_fn=lambda mb: mb["mask"].sum(),
+            key_argnum=2, data_axis="data")
+        loss, grads = jax.jit(grad_fn)(params, batch, key)
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, *args, **kwargs)`` returning a scalar
+        loss, or ``(loss, aux)`` with ``has_aux=True``.
+      num_microbatches: number of micro-batches m, an integer >= 1 that
+        divides the batch size.
+      has_aux: as in ``jax.value_and_grad``. Aux leaves are averaged over the
+        micro-batches (weighted with ``weight_fn``); floating leaves keep
+        their dtype, other leaves come back in ``accumulator_dtype``.
+      weight_fn: optional ``weight_fn(microbatch) -> scalar``, the weight of
+        a micro-batch, e.g. its number of valid tokens.
+      accumulator_dtype: floating dtype of the running sums (float32 by
+        default, so bfloat16 gradients are summed without losing bits).
+      key_argnum: None, the position (an integer >= 2) of the PRNG key among
+        ``loss_fn``'s arguments, or its keyword name.
+      data_axis: None, or the name of the mesh axis the batch is sharded
+        over, to accumulate device-local gradients and reduce them once.
+      gather_params_once: with ``data_axis``, whether parameters sharded over
+        it are gathered once per step (True) or in every micro-batch.
+      unreduced_grads: with ``data_axis`` on an Explicit mesh, return the
+        gradients unreduced over it instead of all-reducing them.
+
+    Returns:
+      A function with the signature of ``loss_fn`` returning
+      ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux=True``;
+      ``loss`` in the dtype ``loss_fn`` returns and ``grads`` in the dtype of
+      the parameters.
+
+    Raises:
+      ValueError: at construction if ``num_microbatches`` is not an integer
+        >= 1, ``accumulator_dtype`` is not floating, ``loss_fn`` /
+        ``weight_fn`` is not callable, ``key_argnum`` is neither None, an
+        integer >= 2 nor an identifier, ``data_axis`` is not a non-empty
+        string, a flag is not a bool, or ``unreduced_grads`` is set without
+        ``data_axis``; at trace time if ``num_microbatches`` (times the
+        ``data_axis`` size) does not divide the batch size, a batch leaf has
+        no batch axis or disagrees with the others on its size,
+        ``weight_fn`` does not return a scalar, ``data_axis`` is not an axis
+        of the current mesh, or ``unreduced_grads`` is used on an Auto axis.
+    """
+    if not callable(loss_fn):
+        raise ValueError(f"`loss_fn` must be callable, got {loss_fn!r}.")
+    num_microbatches = _checks.positive_int("num_microbatches", num_microbatches)
+    has_aux = _checks.boolean("has_aux", has_aux)
+    accumulator_dtype = _checks.float_dtype("accumulator_dtype", accumulator_dtype)
+    if weight_fn is not None and not callable(weight_fn):
+        raise ValueError(
+            f"`weight_fn` must be None or a callable weight_fn(microbatch) -> "
+            f"scalar, got {weight_fn!r}."
+        )
+    key: KeySlot = key_slot(loss_fn, key_argnum)
+    if data_axis is not None and not (isinstance(data_axis, str) and data_axis):
+        raise ValueError(
+            "`data_axis` must be None or a non-empty string naming the mesh "
+            f"axis the batch is sharded over, got {data_axis!r}."
+        )
+    gather_params_once = _checks.boolean("gather_params_once", gather_params_once)
+    unreduced_grads = _checks.boolean("unreduced_grads", unreduced_grads)
+    if unreduced_grads and data_axis is None:
+        raise ValueError(
+            "`unreduced_grads`=True needs `data_axis`: gradients are unreduced "
+            "over the mesh axis the batch is sharded over."
+        )
+    value_and_grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def weight_of(microbatch: Any) -> jax.Array:
+        if weight_fn is None:
+            return jnp.ones((), jnp.float32)
+        return microbatch_weight(weight_fn(microbatch))
+
+    def local_sums(params, batch, args, kwargs, shard=None):
+        call = MicrobatchCall(value_and_grad_fn, params, args, kwargs, key, shard)
+        microbatches = strided_split(batch, num_microbatches)
+        return weighted_sums(call, weight_of, microbatches, accumulator_dtype, shard)
+
+    @functools.wraps(loss_fn)
+    def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if data_axis is None:
+            checked_batch_size(batch, num_microbatches)
+            return weighted_means(*local_sums(params, batch, args, kwargs))
+        layout = DataLayout.of(data_axis, params, gather_params_once, unreduced_grads)
+        checked_batch_size(batch, num_microbatches, layout.size)
+        return over_data_axis(local_sums, layout, params, batch, args, kwargs)
+
+    return microbatched
