@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from gradaccum_jax._control import run_if
 from gradaccum_jax._window import WindowAccumulator, float_accumulator
 
 # The skip functions are optax's own: same signatures, same skip_state.
-ShouldSkipUpdateFunction = optax.ShouldSkipUpdateFunction
+ShouldSkipUpdateFunction: TypeAlias = optax.ShouldSkipUpdateFunction
 skip_not_finite = optax.skip_not_finite
 skip_large_updates = optax.skip_large_updates
 
@@ -162,7 +162,7 @@ class MultiSteps:
             every_k_schedule, bool
         ):
             every_k = _checks.positive_int("every_k_schedule", every_k_schedule)
-            self._every_k_schedule = lambda step: every_k
+            self._every_k_schedule: Callable[[Any], Any] = lambda step: every_k
         elif callable(every_k_schedule):
             self._every_k_schedule = every_k_schedule
         else:

@@ -76,7 +76,7 @@ def prng_seed(name: str, value: Any) -> int:
             f"`{name}` must be an integer in [0, {_MAX_SEED}] (2**32 - 1), got "
             f"{value!r} of type {type(value).__name__}."
         )
-    if not 0 <= value <= _MAX_SEED:
+    if not 0 <= int(value) <= _MAX_SEED:
         raise ValueError(
             f"`{name}` must be an integer in [0, {_MAX_SEED}] (2**32 - 1): "
             f"jax.random.key keeps only 32 bits of a seed, got {value}."

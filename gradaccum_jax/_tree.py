@@ -32,4 +32,4 @@ def vary_over(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
         return leaf
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(leaf, missing, to="varying")
-    return jax.lax.pvary(leaf, missing)
+    return jax.lax.pvary(leaf, missing)  # type: ignore[attr-defined]  # older jax

@@ -109,7 +109,7 @@ def grad_temp_bytes(params, batch_size: int, features: int) -> int:
     x = jax.ShapeDtypeStruct((batch_size, features), jnp.float32)
     y = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
     compiled = jax.jit(jax.grad(loss_fn)).lower(params, x, y).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return compiled.memory_analysis().temp_size_in_bytes  # type: ignore[union-attr]
 
 
 def single_device_step(tx: optax.GradientTransformation) -> Callable:
@@ -154,7 +154,7 @@ def train(
         opt_state = jax.pmap(tx.init)(params)
     else:
         opt_state = tx.init(params)
-    per_call = None
+    per_call = 0
     for x, y in progress(data):
         for xs, ys in zip(np.split(x, k), np.split(y, k), strict=True):
             per_call = len(xs)
@@ -219,7 +219,8 @@ def use_devices(count: int) -> None:
     # Fails once the backend runs (e.g. under pytest): then use what it has.
     with contextlib.suppress(RuntimeError):
         jax.config.update(
-            "jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices)
+            "jax_num_cpu_devices",
+            max(count, jax.config.jax_num_cpu_devices),  # type: ignore[attr-defined]
         )
     if jax.local_device_count() < count:
         raise SystemExit(

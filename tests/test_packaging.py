@@ -1,0 +1,170 @@
+"""The sdist and the wheel build, pass `twine check`, and the wheel works.
+
+The wheel is installed (not editable, without dependencies) into a fresh
+virtual environment that sees this interpreter's packages
+(``--system-site-packages``: jax and optax are not downloaded again), and
+used from a directory outside the source tree: every public name imports
+from the installed copy, the metadata version is ``__version__``, and the
+demo's command line starts. Builds run without isolation, with the
+setuptools the dev extra installs, so no network is needed; together this
+takes about 20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+import venv
+import zipfile
+
+import pytest
+
+import gradaccum_jax
+
+pytest.importorskip("build")
+pytest.importorskip("twine")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TIMEOUT_S = 120
+PROBE = """
+import importlib.metadata, json, sys
+import gradaccum_jax
+missing = [name for name in gradaccum_jax.__all__ if not hasattr(gradaccum_jax, name)]
+from gradaccum_jax import *
+print(json.dumps({
+    "file": gradaccum_jax.__file__,
+    "version": gradaccum_jax.__version__,
+    "metadata_version": importlib.metadata.version("gradaccum-jax"),
+    "missing": missing,
+    "star_imported": sorted(set(gradaccum_jax.__all__) & set(globals())),
+}))
+"""
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without PYTHONPATH: only the venv decides what imports."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+
+def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        args, capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> pathlib.Path:
+    """An sdist and a wheel built from the sdist, as `python -m build` makes them."""
+    out = tmp_path_factory.mktemp("dist")
+    run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out)],
+        cwd=ROOT,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def installed(dist, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    """(python of a fresh venv holding the wheel, a directory outside the tree)."""
+    env_dir = tmp_path_factory.mktemp("venv")
+    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    python = env_dir / "bin" / "python"
+    (wheel,) = dist.glob("*.whl")
+    # --ignore-installed: the editable checkout in the system site-packages
+    # stays where it is; the venv gets its own copy.
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            str(wheel),
+        ],
+        env=clean_env(),
+    )
+    outside = tmp_path_factory.mktemp("elsewhere")
+    return python, outside
+
+
+def test_sdist_and_wheel_are_built_with_the_package_and_license(dist):
+    version = gradaccum_jax.__version__
+    assert sorted(path.name for path in dist.iterdir()) == [
+        f"gradaccum_jax-{version}-py3-none-any.whl",
+        f"gradaccum_jax-{version}.tar.gz",
+    ]
+    (wheel,) = dist.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gradaccum_jax/__init__.py" in names
+    assert "gradaccum_jax/_ternary/_accumulator.py" in names
+    assert "gradaccum_jax/py.typed" in names
+    assert f"gradaccum_jax-{version}.dist-info/licenses/LICENSE" in names
+    assert not [name for name in names if name.startswith("tests/")]
+    (sdist,) = dist.glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        members = archive.getnames()
+    for name in ("LICENSE", "README.md", "pyproject.toml", "gradaccum_jax/demo.py"):
+        assert f"gradaccum_jax-{version}/{name}" in members
+
+
+def test_wheel_metadata(dist):
+    (wheel,) = dist.glob("*.whl")
+    version = gradaccum_jax.__version__
+    metadata = (
+        zipfile.ZipFile(wheel)
+        .read(f"gradaccum_jax-{version}.dist-info/METADATA")
+        .decode()
+    )
+    assert "Name: gradaccum-jax\n" in metadata
+    assert f"Version: {version}\n" in metadata
+    assert "License-Expression: Apache-2.0\n" in metadata
+    assert "Requires-Dist: optax>=0.2.4\n" in metadata
+    assert "Description-Content-Type: text/markdown\n" in metadata
+
+
+def test_twine_check_passes(dist):
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "twine",
+            "check",
+            "--strict",
+            *map(str, sorted(dist.iterdir())),
+        ]
+    )
+    assert result.stdout.count("PASSED") == 2, result.stdout
+
+
+def test_installed_wheel_imports_every_public_name(installed):
+    python, outside = installed
+    result = run([str(python), "-c", PROBE], cwd=outside, env=clean_env())
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    env_dir = python.parent.parent.resolve()
+    assert pathlib.Path(probe["file"]).resolve().is_relative_to(env_dir), probe
+    assert probe["version"] == gradaccum_jax.__version__
+    assert probe["metadata_version"] == probe["version"]
+    assert probe["missing"] == []
+    assert probe["star_imported"] == sorted(gradaccum_jax.__all__)
+
+
+def test_installed_demo_command_line_starts(installed):
+    python, outside = installed
+    result = run(
+        [str(python), "-m", "gradaccum_jax.demo", "--help"],
+        cwd=outside,
+        env=clean_env(),
+    )
+    assert result.stdout.startswith("usage: ")
+    for option in ("--k", "--micro-batch", "--clip", "--no-ternary", "--devices"):
+        assert option in result.stdout
