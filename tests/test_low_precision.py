@@ -148,3 +148,15 @@ def test_low_precision_error_is_at_most_optax_error(dtype, random_sign, k):
     assert _rms_error(ours[finite], grads[:, finite]) <= _rms_error(
         theirs[finite], grads[:, finite]
     )
+
+
+def test_flush_without_params_emits_the_low_precision_mean_in_float32():
+    tx = ga.MultiSteps(optax.identity(), 8, accumulator_dtype=jnp.float16)
+    state = tx.init({"a": jnp.zeros([])})
+    for grad in [60000.0, 50000.0]:
+        _, state = tx.update({"a": jnp.asarray(grad, jnp.float16)}, state)
+    updates, _ = tx.flush(state)
+    # The total (~110000) is float32; so is the mean it is divided back into.
+    assert updates["a"].dtype == jnp.float32
+    # 50000 is 49984 in float16; their mean 54992 rounds (to even) to 54976.
+    assert float(updates["a"]) == 54976.0
