@@ -49,7 +49,8 @@ class MultiStepsState(NamedTuple):
       gradient_step: updates emitted so far.
       inner_opt_state: the wrapped optimizer's state.
       acc_grads: the window's accumulated (weighted) gradient sum, in the
-        layout of the `WindowAccumulator` (a tree like the params by default).
+        layout of the `WindowAccumulator` (a tree like the params by default,
+        a `RunningMean` for a float16 or bfloat16 ``accumulator_dtype``).
         Meaningful while ``mini_step > 0``: after an emission it holds the
         emitted updates until the next micro-batch resets it.
       skip_state: what ``should_skip_update_fn`` returned last.
@@ -144,7 +145,8 @@ class MultiSteps:
             -> (skip, skip_state)``, e.g. `skip_not_finite`; a skipped
             micro-batch leaves the state as if it never happened, except
             ``skip_state``.
-          accumulator_dtype: floating dtype of the window sum.
+          accumulator_dtype: floating dtype of the window sum (narrower
+            than float32: of a running mean, see `float_accumulator`).
           skip_nonfinite: shorthand for
             ``should_skip_update_fn=skip_not_finite``: micro-batches whose
             gradients hold NaN or Inf are skipped.
@@ -299,7 +301,8 @@ class MultiSteps:
         Args:
           state: the current state.
           params: the current params. The window's gradient is cast to their
-            dtypes; without params it stays in the accumulator's dtype.
+            dtypes; without params it is in the dtype of the accumulator's
+            ``total`` (``accumulator_dtype``, float32 when that is narrower).
           **extra_args: passed on to the inner optimizer.
 
         Returns:
@@ -608,7 +611,8 @@ def accumulate(
       skip_nonfinite: shorthand for ``should_skip_update_fn=skip_not_finite``.
       count_skipped: as in `MultiSteps`; True here, so skipped micro-batches
         keep their place in the window and devices stay in step.
-      accumulator_dtype: floating dtype of the window sum.
+      accumulator_dtype: floating dtype of the window sum (narrower than
+        float32: of a running mean, see `float_accumulator`).
       average: deprecated spelling of ``use_grad_mean``.
 
     Returns:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _weights
 
 
 class WindowAccumulator(NamedTuple):
@@ -47,12 +47,17 @@ def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
     """The window sum kept as one floating array per parameter.
 
     Args:
-      dtype: floating dtype of the sum (``accumulator_dtype``).
+      dtype: floating dtype of the sum (``accumulator_dtype``). A dtype
+        narrower than float32 keeps a running mean instead (see
+        `RunningMean`).
 
     Returns:
-      A `WindowAccumulator` whose state is a tree shaped like the params.
+      A `WindowAccumulator` whose state is a tree shaped like the params
+      (a `RunningMean` for a dtype narrower than float32).
     """
     dtype = _checks.float_dtype("dtype", dtype)
+    if dtype.itemsize < 4:
+        return _running_mean_accumulator(dtype)
 
     def init(params):
         return optax.tree.zeros_like(params, dtype=dtype)
@@ -78,5 +83,66 @@ def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
         # A fresh zero, not `0 * acc`: 0 * NaN is NaN, and a NaN micro-batch
         # must not leak into the next window.
         return jax.tree.map(jnp.zeros_like, acc)
+
+    return WindowAccumulator(init, add, total, reset)
+
+
+class RunningMean(NamedTuple):
+    """A low-precision window: its weighted mean and its float32 total weight.
+
+    Attributes:
+      mean: ``sum_i w_i g_i / sum_i w_i`` per parameter, in the accumulator
+        dtype (zeros for an empty window).
+      weight: ``sum_i w_i``, a float32 scalar.
+    """
+
+    mean: Any
+    weight: jax.Array
+
+
+def _running_mean_accumulator(dtype: jnp.dtype) -> WindowAccumulator:
+    """A window kept as a running weighted mean in ``dtype``.
+
+    A sum in float16 overflows at 65504 (80 micro-batches of 1000), and one
+    in bfloat16 stops growing once it is 256 times a term (8 mantissa bits):
+    the mean of 512 ones comes out as 0.5. A mean stays within the range of
+    the gradients and is updated as ``m + (w / W) (g - m)`` in float32, with
+    ``W`` the float32 total, so a constant gradient is kept exactly and each
+    micro-step rounds once, as optax's running mean does (measured in
+    ``benchmarks/bench_low_precision.py``).
+    """
+
+    def init(params):
+        return RunningMean(
+            optax.tree.zeros_like(params, dtype=dtype), jnp.zeros([], jnp.float32)
+        )
+
+    def add(acc, grads, weight):
+        _checks.same_structure(
+            grads,
+            acc.mean,
+            "gradients",
+            "the accumulator (built from the params at init)",
+        )
+        total = acc.weight + weight
+        # w / W in float32: a weight (e.g. 70000 tokens) may not fit dtype.
+        share, _ = _weights.share(weight, total)
+
+        def step(m, g):
+            m32 = m.astype(jnp.float32)
+            new = m32 + share * (g.astype(jnp.float32) - m32)
+            # As in the sum: a select, so a zero weight drops NaN gradients.
+            return jnp.where(weight != 0, new.astype(dtype), m)
+
+        return RunningMean(jax.tree.map(step, acc.mean, grads), total)
+
+    def total(acc):
+        # The sum in float32: in dtype it would overflow (float16).
+        return jax.tree.map(lambda m: m.astype(jnp.float32) * acc.weight, acc.mean)
+
+    def reset(acc):
+        return RunningMean(
+            jax.tree.map(jnp.zeros_like, acc.mean), jnp.zeros_like(acc.weight)
+        )
 
     return WindowAccumulator(init, add, total, reset)

@@ -271,8 +271,10 @@ def test_accumulator_dtype_and_state_dtypes_are_stable_under_scan():
         return state, updates
 
     state, updates = jax.lax.scan(step, opt.init(params), {"w": jnp.ones((7, 2))})
-    assert state.acc_grads["w"].dtype == jnp.bfloat16
-    assert float(state.acc_weight) == 2.0
+    # A low-precision window is a running mean with its float32 weight.
+    assert state.acc_grads.mean["w"].dtype == jnp.bfloat16
+    assert state.acc_grads.weight.dtype == jnp.float32
+    assert float(state.acc_weight) == float(state.acc_grads.weight) == 2.0
     np.testing.assert_allclose(updates["w"][2], [-1e-2, -1e-2], rtol=1e-3)
 
 
@@ -320,7 +322,7 @@ def test_custom_window_accumulator_plugs_into_the_engine():
     half_precision = gradaccum_jax.float_accumulator(jnp.float16)
     opt = MultiSteps(optax.identity(), 2, window_accumulator=half_precision)
     outputs, state = run(opt, scalar_grads(1.0, 2.0))
-    assert state.acc_grads["a"].dtype == jnp.float16
+    assert state.acc_grads.mean["a"].dtype == jnp.float16
     assert float(outputs[1]["a"]) == 1.5
 
 
