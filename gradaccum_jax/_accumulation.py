@@ -21,7 +21,7 @@ int8 codes instead, with the same engine.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _checks, _weights
+from gradaccum_jax import _checks, _tree, _weights
 from gradaccum_jax._control import run_if
 from gradaccum_jax._window import WindowAccumulator, float_accumulator
 
@@ -130,6 +130,7 @@ class MultiSteps:
         skip_nonfinite: bool = False,
         count_skipped: bool = False,
         window_accumulator: WindowAccumulator | None = None,
+        unreduced_axes: str | Sequence[str] = (),
     ):
         """Builds the wrapper.
 
@@ -157,6 +158,13 @@ class MultiSteps:
             calls and wait for each other in the reduction forever.
           window_accumulator: how the window sum is stored; overrides
             ``accumulator_dtype`` (see `WindowAccumulator`).
+          unreduced_axes: mesh axes (of an Explicit mesh) over which the
+            gradients arrive unreduced, e.g. ``("data",)`` for gradients from
+            `local_value_and_grad`: the window and its weight are kept
+            unreduced across calls and reduced once per window, in one fused
+            all-reduce at the emitting call (see "Data parallelism under
+            jax.jit" in the class docstring). Not with a
+            ``window_accumulator`` or a skip function.
         """
         if isinstance(every_k_schedule, int | np.integer) and not isinstance(
             every_k_schedule, bool
@@ -177,12 +185,31 @@ class MultiSteps:
         )
         self._count_skipped = _checks.boolean("count_skipped", count_skipped)
         accumulator_dtype = _checks.float_dtype("accumulator_dtype", accumulator_dtype)
+        self._unreduced_axes = _checks.axis_names("unreduced_axes", unreduced_axes)
+        if self._unreduced_axes and self._should_skip_update_fn is not None:
+            raise ValueError(
+                "`unreduced_axes` cannot be combined with `should_skip_update_fn` "
+                "or `skip_nonfinite`: an unreduced gradient is a partial sum, so "
+                "testing it takes an all-reduce on every micro-step. Test each "
+                "device's gradients inside the shard_map instead and give a "
+                "non-finite micro-batch weight 0 there."
+            )
         if window_accumulator is None:
-            window_accumulator = float_accumulator(accumulator_dtype)
+            window_accumulator = float_accumulator(
+                accumulator_dtype, self._unreduced_axes
+            )
         elif not isinstance(window_accumulator, WindowAccumulator):
             raise ValueError(
                 "`window_accumulator` must be None or a WindowAccumulator, "
                 f"got {window_accumulator!r}."
+            )
+        elif self._unreduced_axes:
+            raise ValueError(
+                "`unreduced_axes` needs the default float accumulator: pass "
+                "`window_accumulator=None` (got "
+                f"{window_accumulator!r}), or float_accumulator(dtype, "
+                "unreduced_axes) as the window_accumulator without "
+                "`unreduced_axes`."
             )
         self._accumulator = window_accumulator
 
@@ -205,7 +232,7 @@ class MultiSteps:
             inner_opt_state=self._opt.init(params),
             acc_grads=self._accumulator.init(params),
             skip_state=skip_state,
-            acc_weight=jnp.zeros([], jnp.float32),
+            acc_weight=self._as_window_sum(jnp.zeros([], jnp.float32)),
             micro_steps=jnp.zeros([], jnp.int32),
             emitted=jnp.zeros([], jnp.bool_),
         )
@@ -239,6 +266,7 @@ class MultiSteps:
         if params is not None:
             _checks.same_structure(updates, params, "gradients", "params")
         weight = _weights.scalar_weight(weight, "MultiSteps.update")
+        state = self._unreduce_window(state)
 
         if self._should_skip_update_fn is None:
             accept = jnp.asarray(True)
@@ -276,7 +304,7 @@ class MultiSteps:
         state = state._replace(
             mini_step=mini_step,
             acc_grads=acc,
-            acc_weight=state.acc_weight + weight,
+            acc_weight=state.acc_weight + self._as_window_sum(weight),
             skip_state=skip_state,
             micro_steps=jnp.where(
                 accept, optax.safe_increment(state.micro_steps), state.micro_steps
@@ -328,7 +356,7 @@ class MultiSteps:
             window_size=jnp.asarray(
                 self._every_k_schedule(state.gradient_step), jnp.int32
             ),
-            window_weight=state.acc_weight,
+            window_weight=_tree.reduce_unreduced(state.acc_weight),
         )
 
     def has_updated(self, state: MultiStepsState | optax.OptState) -> jax.Array:
@@ -348,6 +376,37 @@ class MultiSteps:
         """
         return AccumulationTransformation(self.init, self.update)
 
+    def reduce_window(self, state: MultiStepsState) -> MultiStepsState:
+        """Returns ``state`` with its window summed over ``unreduced_axes``.
+
+        An unreduced array cannot leave the devices (``jax.device_get``,
+        ``np.asarray`` and checkpointers raise NotImplementedError on it):
+        save ``reduce_window(state)`` instead, which costs one fused
+        all-reduce of the window. `update` accepts the reduced state back
+        and splits it into a sum again (whole on one device, zeros on the
+        others) without moving data; the window goes on exactly. Without
+        ``unreduced_axes`` the state is returned as is.
+        """
+        acc_grads, acc_weight = _tree.reduce_unreduced(
+            (state.acc_grads, state.acc_weight)
+        )
+        return state._replace(acc_grads=acc_grads, acc_weight=acc_weight)
+
+    def _as_window_sum(self, value: jax.Array) -> jax.Array:
+        """``value`` as a term of the window's sum (unreduced if it is)."""
+        if not self._unreduced_axes:
+            return value
+        return _tree.as_unreduced(value, self._unreduced_axes)
+
+    def _unreduce_window(self, state: MultiStepsState) -> MultiStepsState:
+        """A reduced window (see `reduce_window`) made unreduced again."""
+        if not self._unreduced_axes:
+            return state
+        return state._replace(
+            acc_grads=jax.tree.map(self._as_window_sum, state.acc_grads),
+            acc_weight=self._as_window_sum(state.acc_weight),
+        )
+
     def _emit_if(self, emit, state, grads_like, params, extra_args, scratch=None):
         """Runs the inner optimizer on the window's gradient iff ``emit``.
 
@@ -361,6 +420,9 @@ class MultiSteps:
         """
 
         def inner_update(acc, acc_weight, inner_state):
+            # The window's only cross-device traffic: one fused all-reduce of
+            # its unreduced sums, here inside the emission loop.
+            acc, acc_weight = _tree.reduce_unreduced((acc, acc_weight))
             grads = self._window_gradient(acc, acc_weight, grads_like)
             new_updates, new_inner_state = self._opt.update(
                 grads, inner_state, params, weight=acc_weight, **extra_args
@@ -500,7 +562,13 @@ class _UpdateSlots:
 
 
 def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
-    return (jnp.shape(leaf), jnp.result_type(leaf)) == (shape.shape, shape.dtype)
+    # An unreduced window leaf never holds an update: the loop carry keeps
+    # its type, and an update is a reduced value.
+    return (
+        jnp.shape(leaf),
+        jnp.result_type(leaf),
+        _tree.unreduced_axes(leaf),
+    ) == (shape.shape, shape.dtype, _tree.unreduced_axes(shape))
 
 
 def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
@@ -576,6 +644,10 @@ class AccumulationTransformation(optax.GradientTransformationExtraArgs):
         """See `MultiSteps.has_updated`."""
         return self._engine.has_updated(state)
 
+    def reduce_window(self, state: MultiStepsState) -> MultiStepsState:
+        """See `MultiSteps.reduce_window`."""
+        return self._engine.reduce_window(state)
+
     def gradient_transformation(self) -> AccumulationTransformation:
         """Returns itself, so code written for `MultiSteps` runs unchanged."""
         return self
@@ -590,6 +662,7 @@ def accumulate(
     skip_nonfinite: bool = False,
     count_skipped: bool = True,
     accumulator_dtype: Any = jnp.float32,
+    unreduced_axes: str | Sequence[str] = (),
     average: bool | None = None,
 ) -> AccumulationTransformation:
     """Accumulation as a transformation, for use inside `optax.chain`.
@@ -609,6 +682,8 @@ def accumulate(
       count_skipped: as in `MultiSteps`; True here, so skipped micro-batches
         keep their place in the window and devices stay in step.
       accumulator_dtype: floating dtype of the window sum.
+      unreduced_axes: as in `MultiSteps`: mesh axes over which gradients
+        arrive unreduced, reduced once per window.
       average: deprecated spelling of ``use_grad_mean``.
 
     Returns:
@@ -632,4 +707,5 @@ def accumulate(
         accumulator_dtype=accumulator_dtype,
         skip_nonfinite=skip_nonfinite,
         count_skipped=count_skipped,
+        unreduced_axes=unreduced_axes,
     ).gradient_transformation()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 def varying_axes(leaf: Any) -> frozenset[str]:
@@ -33,3 +34,67 @@ def vary_over(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(leaf, missing, to="varying")
     return jax.lax.pvary(leaf, missing)
+
+
+def unreduced_axes(leaf: Any) -> frozenset[str]:
+    """The mesh axes over which ``leaf`` is unreduced (a partial sum).
+
+    An unreduced array (type ``f32[...]{U:data}``) holds on each device one
+    term of a sum over the devices of the axis: its value is that sum, but
+    nothing has been summed yet. Reads the explicit-sharding type
+    (``.sharding.spec.unreduced``) and, inside ``shard_map``, the manual
+    axes' type (``.manual_axis_type.unreduced``); returns their union.
+    Accepts an array, a tracer or a ``jax.ShapeDtypeStruct``.
+    """
+    aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    axes = set(getattr(spec, "unreduced", None) or ())
+    manual_axis_type = getattr(aval, "manual_axis_type", None)
+    axes |= set(getattr(manual_axis_type, "unreduced", None) or ())
+    return frozenset(axes)
+
+
+def partitions(leaf: Any) -> tuple[Any, ...]:
+    """The explicit-sharding partitions of ``leaf`` (``()`` when it has none)."""
+    aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return tuple(getattr(spec, "partitions", None) or ())
+
+
+def unreduced_zeros(leaf: Any, axes: frozenset[str]) -> jax.Array:
+    """Zeros like ``leaf``, with its partitions, unreduced over ``axes``.
+
+    Needs the mesh (``jax.set_mesh``). No data moves: every device holds a
+    zero term of the sum.
+    """
+    spec = jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes))
+    return jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf), out_sharding=spec)
+
+
+def as_unreduced(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """``leaf`` as a sum over ``axes``: whole on one device, zero elsewhere.
+
+    No data moves. Leaves already unreduced over ``axes`` are returned as is.
+    """
+    if unreduced_axes(leaf) == axes:
+        return leaf
+    spec = jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes))
+    return jax.sharding.reshard(leaf, spec)
+
+
+def reduce_unreduced(tree: Any) -> Any:
+    """Sums every unreduced leaf of ``tree`` over its unreduced axes.
+
+    All of them in one ``reshard``, which XLA emits as one fused (tuple)
+    all-reduce; each result keeps its leaf's partitions. Other leaves are
+    returned as they are.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    todo = [i for i, leaf in enumerate(leaves) if unreduced_axes(leaf)]
+    if not todo:
+        return tree
+    specs = [jax.sharding.PartitionSpec(*partitions(leaves[i])) for i in todo]
+    reduced = jax.sharding.reshard([leaves[i] for i in todo], specs)
+    for i, value in zip(todo, reduced, strict=True):
+        leaves[i] = value
+    return treedef.unflatten(leaves)

@@ -8,14 +8,16 @@ sums the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
+from jax.sharding import reshard
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _tree
 
 
 class WindowAccumulator(NamedTuple):
@@ -43,33 +45,59 @@ class WindowAccumulator(NamedTuple):
     reset: Callable[[Any], Any]
 
 
-def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
+def float_accumulator(
+    dtype: Any = jnp.float32, unreduced_axes: Sequence[str] = ()
+) -> WindowAccumulator:
     """The window sum kept as one floating array per parameter.
+
+    With ``unreduced_axes`` the sum is kept unreduced over those mesh axes
+    (type ``f32[...]{U:data}``): each device adds its own gradients and
+    nothing crosses devices until the engine reduces the window, once, when
+    it emits. Gradients must then be unreduced over exactly these axes. A
+    replicated weight multiplies them as usual; an unreduced weight (one
+    term per device) means each device's gradient term is already weighted
+    (``w_d * g_d``), since a product of two partial sums is not the partial
+    sum of the products.
 
     Args:
       dtype: floating dtype of the sum (``accumulator_dtype``).
+      unreduced_axes: mesh axes (of type Explicit) over which gradients
+        arrive unreduced; ``init`` then needs the mesh (``jax.set_mesh``).
 
     Returns:
       A `WindowAccumulator` whose state is a tree shaped like the params.
     """
     dtype = _checks.float_dtype("dtype", dtype)
+    axes = _checks.axis_names("unreduced_axes", unreduced_axes)
 
     def init(params):
-        return optax.tree.zeros_like(params, dtype=dtype)
+        zeros = optax.tree.zeros_like(params, dtype=dtype)
+        if not axes:
+            return zeros
+        return jax.tree.map(lambda leaf: _tree.unreduced_zeros(leaf, axes), zeros)
 
     def add(acc, grads, weight):
         _checks.same_structure(
             grads, acc, "gradients", "the accumulator (built from the params at init)"
         )
+        weighted = bool(_tree.unreduced_axes(weight))
         weight = weight.astype(dtype)
-        # A select on the weight, not only a multiply by it: a zero-weight
-        # micro-batch (skipped, or all padding with a 0/0 loss) may hold NaNs,
-        # and 0 * NaN is NaN.
-        return jax.tree.map(
-            lambda a, g: jnp.where(weight != 0, a + weight * g.astype(dtype), a),
-            acc,
-            grads,
-        )
+
+        def add_leaf(path, a, g):
+            _check_unreduced(path, a, g, weighted)
+            g = g.astype(dtype)
+            if weighted:
+                return a + g
+            g_axes = _tree.unreduced_axes(g)
+            # The multiply rule of an unreduced operand wants the other one
+            # marked reduced over the same axes (same value on every device).
+            w = reshard(weight, P(reduced=set(g_axes))) if g_axes else weight
+            # A select on the weight, not only a multiply by it: a zero-weight
+            # micro-batch (skipped, or all padding with a 0/0 loss) may hold
+            # NaNs, and 0 * NaN is NaN.
+            return jnp.where(weight != 0, a + w * g, a)
+
+        return jax.tree_util.tree_map_with_path(add_leaf, acc, grads)
 
     def total(acc):
         return acc
@@ -80,3 +108,21 @@ def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
         return jax.tree.map(jnp.zeros_like, acc)
 
     return WindowAccumulator(init, add, total, reset)
+
+
+def _check_unreduced(path: Any, acc: Any, grad: Any, weighted: bool) -> None:
+    """Raises if a gradient leaf is not unreduced over the window's axes."""
+    acc_axes, grad_axes = _tree.unreduced_axes(acc), _tree.unreduced_axes(grad)
+    if grad_axes != acc_axes:
+        raise ValueError(
+            f"Gradient leaf {jax.tree_util.keystr(path)} is unreduced over mesh "
+            f"axes {sorted(grad_axes)}, the accumulation window over "
+            f"{sorted(acc_axes)}: pass unreduced_axes={tuple(sorted(grad_axes))} "
+            "to the accumulator (MultiSteps, accumulate) and init it again."
+        )
+    if weighted and not grad_axes:
+        raise ValueError(
+            "An unreduced `weight` means each device's gradients are already "
+            f"weighted, but gradient leaf {jax.tree_util.keystr(path)} is not "
+            "unreduced: pass a replicated weight."
+        )
