@@ -343,7 +343,7 @@ class MultiSteps:
         return state._replace(
             mini_step=jnp.zeros_like(state.mini_step),
             acc_grads=self._accumulator.reset(state.acc_grads),
-            acc_weight=jnp.zeros_like(state.acc_weight),
+            acc_weight=_tree.zeros_like(state.acc_weight),
             emitted=jnp.zeros_like(state.emitted),
         )
 
@@ -453,7 +453,7 @@ class MultiSteps:
             return (
                 jax.tree.leaves(new_updates),
                 slots.rest(self._accumulator.reset(acc)),
-                jnp.zeros_like(acc_weight),
+                _tree.zeros_like(acc_weight),
                 inner_state,
             )
 

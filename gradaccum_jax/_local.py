@@ -88,7 +88,8 @@ def local_value_and_grad(
     axis_name = _checks.axis_name("axis_name", axis_name)
     if not isinstance(axis_name, str):
         raise ValueError(
-            f"`axis_name` must be one mesh-axis name (a string), got {axis_name!r}."
+            "`axis_name` must be a non-empty string naming one mesh axis, got "
+            f"{axis_name!r}."
         )
     has_weight = _checks.boolean("has_weight", has_weight)
 

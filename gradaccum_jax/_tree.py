@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -71,15 +72,42 @@ def unreduced_zeros(leaf: Any, axes: frozenset[str]) -> jax.Array:
     return jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf), out_sharding=spec)
 
 
+def zeros_like(leaf: jax.Array) -> jax.Array:
+    """``jnp.zeros_like`` that also works eagerly on unreduced arrays."""
+    axes = unreduced_axes(leaf)
+    return unreduced_zeros(leaf, axes) if axes else jnp.zeros_like(leaf)
+
+
 def as_unreduced(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
     """``leaf`` as a sum over ``axes``: whole on one device, zero elsewhere.
 
-    No data moves. Leaves already unreduced over ``axes`` are returned as is.
+    No data moves. Leaves already unreduced over ``axes`` are returned as
+    is. Written as a ``shard_map`` that selects on the device index rather
+    than as ``reshard(leaf, P(unreduced=axes))``: on jax 0.10.2 the reshard
+    of a constant (``weight=None``, ``weight=x.shape[0]``) that is also used
+    reduced elsewhere in the program comes out as the constant on every
+    device, i.e. ``n_devices`` times too large once reduced.
     """
     if unreduced_axes(leaf) == axes:
         return leaf
-    spec = jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes))
-    return jax.sharding.reshard(leaf, spec)
+    names = tuple(sorted(axes))
+
+    def first_device_only(x):
+        first = functools.reduce(
+            jnp.logical_and, [jax.lax.axis_index(name) == 0 for name in names]
+        )
+        x = jax.lax.pcast(x, names, to="varying")
+        return jax.lax.pcast(
+            jnp.where(first, x, jnp.zeros_like(x)), names, to="unreduced"
+        )
+
+    spec = jax.sharding.PartitionSpec(*partitions(leaf))
+    return jax.shard_map(
+        first_device_only,
+        in_specs=spec,
+        out_specs=jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes)),
+        axis_names=set(axes),
+    )(leaf)
 
 
 def reduce_unreduced(tree: Any) -> Any:

@@ -105,7 +105,7 @@ def float_accumulator(
     def reset(acc):
         # A fresh zero, not `0 * acc`: 0 * NaN is NaN, and a NaN micro-batch
         # must not leak into the next window.
-        return jax.tree.map(jnp.zeros_like, acc)
+        return jax.tree.map(_tree.zeros_like, acc)
 
     return WindowAccumulator(init, add, total, reset)
 
