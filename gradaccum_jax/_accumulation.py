@@ -20,6 +20,7 @@ int8 codes instead, with the same engine.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _checks, _tree, _weights
+from gradaccum_jax import _checks, _partials, _tree, _weights
 from gradaccum_jax._control import run_if
 from gradaccum_jax._window import WindowAccumulator, float_accumulator
 
@@ -264,8 +265,19 @@ class MultiSteps:
         """
         _checks.floating_leaves(updates, "gradients")
         if params is not None:
-            _checks.same_structure(updates, params, "gradients", "params")
-        weight = _weights.scalar_weight(weight, "MultiSteps.update")
+            _checks.same_structure(
+                updates, self._terms_shapes(params), "gradients", "params"
+            )
+        if (
+            self._unreduced_axes
+            and weight is not None
+            and np.ndim(weight) == 1
+            and _partials.is_stacked(self._unreduced_axes)
+        ):
+            # Per-device weights stacked like the gradients (Auto mesh).
+            weight = jnp.asarray(weight, jnp.float32)
+        else:
+            weight = _weights.scalar_weight(weight, "MultiSteps.update")
         state = self._unreduce_window(state)
 
         if self._should_skip_update_fn is None:
@@ -333,6 +345,7 @@ class MultiSteps:
         Returns:
           ``(updates, state)`` with a fresh window in ``state``.
         """
+        state = self._unreduce_window(state)
         grads_like = self._accumulator.total(state.acc_grads)
         if params is not None:
             grads_like = optax.tree.cast_like(grads_like, params)
@@ -356,7 +369,7 @@ class MultiSteps:
             window_size=jnp.asarray(
                 self._every_k_schedule(state.gradient_step), jnp.int32
             ),
-            window_weight=_tree.reduce_unreduced(state.acc_weight),
+            window_weight=self._window_total(state.acc_weight),
         )
 
     def has_updated(self, state: MultiStepsState | optax.OptState) -> jax.Array:
@@ -387,24 +400,49 @@ class MultiSteps:
         others) without moving data; the window goes on exactly. Without
         ``unreduced_axes`` the state is returned as is.
         """
-        acc_grads, acc_weight = _tree.reduce_unreduced(
-            (state.acc_grads, state.acc_weight)
+        if not self._holds_terms(state.acc_weight):
+            return state
+        acc_grads, acc_weight = _partials.reduce(
+            (state.acc_grads, state.acc_weight), self._unreduced_axes
         )
         return state._replace(acc_grads=acc_grads, acc_weight=acc_weight)
 
+    def _terms_shapes(self, params: optax.Params) -> Any:
+        """The shapes gradients arrive in: the params', or stacked."""
+        if not _partials.is_stacked(self._unreduced_axes):
+            return params
+        return jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(
+                _partials.stacked_shape(np.shape(p), self._unreduced_axes),
+                jnp.result_type(p),
+            ),
+            params,
+        )
+
+    def _holds_terms(self, weight: jax.Array) -> bool:
+        """Whether ``weight`` is kept as per-device terms."""
+        return _partials.is_terms(weight, jnp.zeros(()), self._unreduced_axes)
+
+    def _window_total(self, acc_weight: jax.Array) -> jax.Array:
+        """The window's total weight, summed over devices if need be."""
+        if not self._holds_terms(acc_weight):
+            return acc_weight
+        return _partials.reduce(acc_weight, self._unreduced_axes)
+
     def _as_window_sum(self, value: jax.Array) -> jax.Array:
-        """``value`` as a term of the window's sum (unreduced if it is)."""
-        if not self._unreduced_axes:
+        """A weight as a term of the window's sum (per device if it is)."""
+        if not self._unreduced_axes or self._holds_terms(value):
             return value
-        return _tree.as_unreduced(value, self._unreduced_axes)
+        return _partials.lift(value, self._unreduced_axes)
 
     def _unreduce_window(self, state: MultiStepsState) -> MultiStepsState:
-        """A reduced window (see `reduce_window`) made unreduced again."""
-        if not self._unreduced_axes:
+        """A reduced window (see `reduce_window`) made per-device again."""
+        if not self._unreduced_axes or self._holds_terms(state.acc_weight):
             return state
+        lift = functools.partial(_partials.lift, axes=self._unreduced_axes)
         return state._replace(
-            acc_grads=jax.tree.map(self._as_window_sum, state.acc_grads),
-            acc_weight=self._as_window_sum(state.acc_weight),
+            acc_grads=jax.tree.map(lift, state.acc_grads),
+            acc_weight=lift(state.acc_weight),
         )
 
     def _emit_if(self, emit, state, grads_like, params, extra_args, scratch=None):
@@ -422,7 +460,7 @@ class MultiSteps:
         def inner_update(acc, acc_weight, inner_state):
             # The window's only cross-device traffic: one fused all-reduce of
             # its unreduced sums, here inside the emission loop.
-            acc, acc_weight = _tree.reduce_unreduced((acc, acc_weight))
+            acc, acc_weight = _partials.reduce((acc, acc_weight), self._unreduced_axes)
             grads = self._window_gradient(acc, acc_weight, grads_like)
             new_updates, new_inner_state = self._opt.update(
                 grads, inner_state, params, weight=acc_weight, **extra_args

@@ -31,7 +31,7 @@ def local_value_and_grad(
     *,
     has_weight: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
-    """Value and gradient of ``loss_fn``, per device, unreduced over ``axis_name``.
+    """Value and gradient of ``loss_fn``, one term per device of ``axis_name``.
 
     ``loss_fn(params, *batch)`` is evaluated on each device's shard of the
     batch (every ``batch`` argument is split along its leading dimension
@@ -48,8 +48,13 @@ def local_value_and_grad(
       micro-batches, the big-batch gradient even when devices hold
       different numbers of valid examples.
 
-    Needs an Explicit mesh (``jax.make_mesh(..., axis_types=(AxisType.Explicit,
-    ...))`` and ``jax.set_mesh``): only Explicit axes have unreduced types.
+    The terms' form follows the mesh (``jax.set_mesh``): on an Explicit
+    axis they are unreduced arrays shaped like the values (type
+    ``f32[...]{U:data}``); on an Auto axis, which has no unreduced types,
+    they are stacked on a new leading axis of size ``n_devices``, sharded
+    over ``axis_name`` (``loss`` and ``weight`` of shape ``(n_devices,)``).
+    An accumulator built with ``unreduced_axes=axis_name`` takes either
+    form and sums it once per window; its state keeps the same form.
 
     Usage (k micro-batches per update, one all-reduce per window)::
 
@@ -66,8 +71,10 @@ def local_value_and_grad(
           return optax.apply_updates(params, updates), state, loss
 
     ``loss`` is unreduced too: ``jax.sharding.reshard(loss, P())`` sums it
-    (a scalar all-reduce) where it is logged. To save ``state``, save
-    ``opt.reduce_window(state)``.
+    (a scalar all-reduce) where it is logged (``loss.sum()`` when stacked).
+    To save ``state``, save ``opt.reduce_window(state)``. The same code
+    runs on an Auto mesh (``axis_types=(AxisType.Auto,)``, or a plain
+    ``jax.sharding.Mesh``) once it is set with ``jax.set_mesh``.
 
     Args:
       loss_fn: ``loss_fn(params, *batch) -> loss`` (a scalar, the mean over
@@ -78,7 +85,7 @@ def local_value_and_grad(
 
     Returns:
       ``fn(params, *batch) -> (loss, grads)``, or ``((loss, weight), grads)``
-      with ``has_weight``, all unreduced over ``axis_name``.
+      with ``has_weight``, all as per-device terms over ``axis_name``.
     """
     loss_fn = _checks.optional_callable(
         "loss_fn", loss_fn, "loss_fn(params, *batch) -> loss"
@@ -108,8 +115,13 @@ def local_value_and_grad(
             out = (loss * share, jax.tree.map(lambda g: g * share, grads))
         # A constant (a weight from a static shape) is the same on every
         # device: mark it varying first, as a per-device term must be.
-        out = jax.tree.map(lambda x: vary_over(x, frozenset({axis_name})), out)
-        return jax.lax.pcast(out, axis_name, to="unreduced")
+        return jax.tree.map(lambda x: vary_over(x, frozenset({axis_name})), out)
+
+    def unreduced(params, *batch):
+        return jax.lax.pcast(local(params, *batch), axis_name, to="unreduced")
+
+    def stacked(params, *batch):
+        return jax.tree.map(lambda x: x[None], local(params, *batch))
 
     def value_and_grad(params, *batch):
         mesh = jax.sharding.get_abstract_mesh()
@@ -119,17 +131,11 @@ def local_value_and_grad(
                 f"current mesh {mesh.axis_names}: call it under "
                 "jax.set_mesh(mesh)."
             )
-        if mesh._name_to_type[axis_name] != AxisType.Explicit:
-            raise ValueError(
-                f"local_value_and_grad: mesh axis {axis_name!r} is "
-                f"{mesh._name_to_type[axis_name]}, not Explicit: only Explicit "
-                "axes have unreduced types. Build the mesh with "
-                "jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))."
-            )
+        explicit = mesh._name_to_type[axis_name] == AxisType.Explicit
         mapped = jax.shard_map(
-            local,
+            unreduced if explicit else stacked,
             in_specs=(P(), *(P(axis_name) for _ in batch)),
-            out_specs=P(unreduced={axis_name}),
+            out_specs=P(unreduced={axis_name}) if explicit else P(axis_name),
         )
         return mapped(params, *batch)
 

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
-from gradaccum_jax import _checks, _tree
+from gradaccum_jax import _checks, _partials, _tree
 
 
 class WindowAccumulator(NamedTuple):
@@ -50,19 +50,21 @@ def float_accumulator(
 ) -> WindowAccumulator:
     """The window sum kept as one floating array per parameter.
 
-    With ``unreduced_axes`` the sum is kept unreduced over those mesh axes
-    (type ``f32[...]{U:data}``): each device adds its own gradients and
-    nothing crosses devices until the engine reduces the window, once, when
-    it emits. Gradients must then be unreduced over exactly these axes. A
-    replicated weight multiplies them as usual; an unreduced weight (one
-    term per device) means each device's gradient term is already weighted
-    (``w_d * g_d``), since a product of two partial sums is not the partial
-    sum of the products.
+    With ``unreduced_axes`` the sum is kept as one term per device over
+    those mesh axes: unreduced (type ``f32[...]{U:data}``) on an Explicit
+    mesh, stacked on a leading axis of size ``n_devices`` on an Auto mesh
+    (one axis). Each device adds its own gradients and nothing crosses
+    devices until the engine reduces the window, once, when it emits.
+    Gradients must then come in the same form (`local_value_and_grad`). A
+    replicated weight multiplies them as usual; a per-device weight
+    (unreduced, or shape ``(n_devices,)`` when stacked) means each device's
+    gradient term is already weighted (``w_d * g_d``), since a product of
+    two sums over devices is not the sum of the products.
 
     Args:
       dtype: floating dtype of the sum (``accumulator_dtype``).
-      unreduced_axes: mesh axes (of type Explicit) over which gradients
-        arrive unreduced; ``init`` then needs the mesh (``jax.set_mesh``).
+      unreduced_axes: mesh axes over which gradients arrive as per-device
+        terms; ``init`` then needs the mesh (``jax.set_mesh``).
 
     Returns:
       A `WindowAccumulator` whose state is a tree shaped like the params.
@@ -74,17 +76,24 @@ def float_accumulator(
         zeros = optax.tree.zeros_like(params, dtype=dtype)
         if not axes:
             return zeros
-        return jax.tree.map(lambda leaf: _tree.unreduced_zeros(leaf, axes), zeros)
+        return jax.tree.map(lambda leaf: _partials.zeros(leaf, axes), zeros)
 
     def add(acc, grads, weight):
         _checks.same_structure(
             grads, acc, "gradients", "the accumulator (built from the params at init)"
         )
-        weighted = bool(_tree.unreduced_axes(weight))
+        stacked = _partials.is_stacked(axes)
+        # One term per device: unreduced, or stacked on a leading axis.
+        weighted = bool(_tree.unreduced_axes(weight)) or (
+            stacked and jnp.ndim(weight) == 1
+        )
         weight = weight.astype(dtype)
 
         def add_leaf(path, a, g):
-            _check_unreduced(path, a, g, weighted)
+            if stacked:
+                _check_stacked(path, a, g)
+            else:
+                _check_unreduced(path, a, g, weighted)
             g = g.astype(dtype)
             if weighted:
                 return a + g
@@ -108,6 +117,17 @@ def float_accumulator(
         return jax.tree.map(_tree.zeros_like, acc)
 
     return WindowAccumulator(init, add, total, reset)
+
+
+def _check_stacked(path: Any, acc: Any, grad: Any) -> None:
+    """Raises if a gradient leaf is not stacked like the window's leaf."""
+    if jnp.shape(grad) != jnp.shape(acc):
+        raise ValueError(
+            f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
+            f"{jnp.shape(grad)}; on an Auto mesh the window keeps one term per "
+            f"device stacked on a leading axis, shape {jnp.shape(acc)}: pass "
+            "the stacked per-device gradients of local_value_and_grad."
+        )
 
 
 def _check_unreduced(path: Any, acc: Any, grad: Any, weighted: bool) -> None:

@@ -31,6 +31,21 @@ def mesh():
         yield mesh
 
 
+@pytest.fixture(params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def any_mesh(request):
+    """Explicit: terms are unreduced arrays. Auto: terms stacked per device."""
+    mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(request.param,))
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def _holds_terms(leaf, mesh, shape):
+    """Whether ``leaf`` keeps one term per device of a value of ``shape``."""
+    if mesh.axis_types == (AxisType.Explicit,):
+        return ga._tree.unreduced_axes(leaf) == {"data"} and leaf.shape == shape
+    return leaf.shape == (N_DEVICES, *shape) and leaf.sharding.spec == P("data")
+
+
 def _params():
     k1, k2 = jax.random.split(jax.random.key(0))
     return {
@@ -121,7 +136,9 @@ def test_plain_jit_all_reduces_the_gradients_on_every_micro_step(mesh):
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-def test_one_fused_all_reduce_inside_the_emission_loop_and_none_outside(mesh, weighted):
+def test_one_fused_all_reduce_inside_the_emission_loop_and_none_outside(
+    any_mesh, weighted
+):
     opt = ga.MultiSteps(optax.adam(1e-3), K, unreduced_axes="data")
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
@@ -160,7 +177,7 @@ def test_accumulate_in_a_chain_reduces_once_per_window_too(mesh):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["all-valid", "ragged"])
-def test_weighted_windows_equal_the_big_batch_gradient(mesh, masked):
+def test_weighted_windows_equal_the_big_batch_gradient(any_mesh, masked):
     opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
@@ -170,8 +187,9 @@ def test_weighted_windows_equal_the_big_batch_gradient(mesh, masked):
         for i, batch in enumerate(batches):
             updates, state = step(params, state, *_place(batch))
             assert bool(opt.has_updated(state)) == (i == K - 1)
-            # The window stays unreduced between jitted calls.
-            assert ga._tree.unreduced_axes(state.acc_grads["w1"]) == {"data"}
+            # The window stays per device between jitted calls.
+            assert _holds_terms(state.acc_grads["w1"], any_mesh, (16, 32))
+            assert _holds_terms(state.acc_weight, any_mesh, ())
         assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
 
 
@@ -196,7 +214,7 @@ def test_unweighted_equal_micro_batches_equal_the_big_batch_gradient(mesh):
     )
 
 
-def test_flush_emits_the_partial_window_and_stats_reduce_its_weight(mesh):
+def test_flush_emits_the_partial_window_and_stats_reduce_its_weight(any_mesh):
     opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
@@ -226,7 +244,7 @@ def test_reset_drops_the_partial_window(mesh):
     assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
 
 
-def test_a_non_finite_micro_batch_spoils_only_its_own_window(mesh):
+def test_a_non_finite_micro_batch_spoils_only_its_own_window(any_mesh):
     opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
@@ -245,22 +263,24 @@ def test_a_non_finite_micro_batch_spoils_only_its_own_window(mesh):
 # --- checkpoints ------------------------------------------------------------
 
 
-def test_an_unreduced_state_is_saved_through_reduce_window(mesh):
+def test_a_per_device_state_is_saved_through_reduce_window(any_mesh):
     opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
     step = jax.jit(_weighted_step(opt))
     batches = _micro_batches([16, 32, 8], masked=True)
     _, state = step(params, state, *_place(batches[0]))
-    with pytest.raises(NotImplementedError, match="unreduced"):
-        jax.device_get(state.acc_grads["w1"])
+    if any_mesh.axis_types == (AxisType.Explicit,):
+        with pytest.raises(NotImplementedError, match="unreduced"):
+            jax.device_get(state.acc_grads["w1"])
     saved = jax.device_get(jax.jit(opt.reduce_window)(state))
     assert saved.acc_weight == batches[0][2].sum()
+    assert saved.acc_grads["w1"].shape == (16, 32)
     # Restored (replicated) it goes on as if it had never left the devices.
     restored = jax.device_put(saved, P())
     for batch in batches[1:]:
         updates, restored = step(params, restored, *_place(batch))
-    assert ga._tree.unreduced_axes(restored.acc_grads["w1"]) == {"data"}
+    assert _holds_terms(restored.acc_grads["w1"], any_mesh, (16, 32))
     assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
 
 
@@ -282,9 +302,13 @@ def test_unreduced_axes_and_a_skip_function_are_rejected():
         ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data", skip_nonfinite=True)
 
 
-def test_local_value_and_grad_needs_an_explicit_axis():
+def test_local_value_and_grad_stacks_the_terms_on_an_auto_mesh():
     auto = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
-    grad_fn = ga.local_value_and_grad(_mean_loss, "data")
-    x, y, _ = _micro_batches([16])[0]
-    with jax.set_mesh(auto), pytest.raises(ValueError, match="not Explicit"):
-        jax.jit(grad_fn)(_params(), x, y)
+    grad_fn = ga.local_value_and_grad(_masked_loss, "data", has_weight=True)
+    x, y, mask = _micro_batches([16], masked=True)[0]
+    with jax.set_mesh(auto):
+        (loss, weight), grads = jax.jit(grad_fn)(_params(), x, y, mask)
+    assert weight.shape == loss.shape == (N_DEVICES,)
+    np.testing.assert_array_equal(weight, mask.reshape(N_DEVICES, -1).sum(1))
+    assert grads["w1"].shape == (N_DEVICES, 16, 32)
+    assert grads["w1"].sharding.spec == P("data")
