@@ -118,6 +118,27 @@ class MultiSteps:
       >>> state = opt.init(params)
       >>> updates, state = opt.update(grads, state, params, weight=n_examples)
       >>> params = optax.apply_updates(params, updates)
+
+    Data parallelism under jax.jit: with a batch sharded over a mesh axis,
+    ``jax.grad`` all-reduces the gradients on every call, k times per
+    window. Take per-device gradients with `local_value_and_grad` instead
+    and build the wrapper with ``unreduced_axes``: the window then keeps one
+    term per device across jitted calls (unreduced arrays on an Explicit
+    mesh, stacked on a leading axis on an Auto one) and is reduced once, in
+    one fused all-reduce of the window and its weight, inside the emission
+    loop; non-emitting micro-steps move nothing between devices:
+
+      >>> jax.set_mesh(mesh)  # before init: the window is built for it
+      >>> opt = MultiSteps(optax.adam(1e-3), 8, unreduced_axes="data")
+      >>> grad_fn = local_value_and_grad(loss_fn, "data", has_weight=True)
+      >>> (loss, w), grads = grad_fn(params, x, y, mask)  # inside jax.jit
+      >>> updates, state = opt.update(grads, state, params, weight=w)
+
+    A per-device ``weight`` (as `local_value_and_grad` returns it) means
+    the gradients are already weighted; the window is then exactly
+    ``sum(w g) / sum(w)`` over all devices and micro-batches. Unreduced
+    arrays cannot be fetched to the host: checkpoint
+    ``reduce_window(state)``, which `update` accepts back.
     """
 
     def __init__(
