@@ -1,7 +1,7 @@
 """Runs every benchmark, prints one markdown summary and writes a PNG plot.
 
-Each benchmark runs in its own process (the ternary one needs 8 emulated
-devices, the others one) and prints its full table; this script then prints
+Each benchmark runs in its own process (the ternary and sharded ones need 8
+emulated devices, the others one) and prints its full table; this script then prints
 the headline figures of all of them side by side, each against its target,
 and plots them as fractions of their targets.
 
@@ -26,6 +26,7 @@ BENCHMARKS = (
     ("bench_accumulation.py", [], ["--params", "2000000", "--windows", "2"]),
     ("bench_microbatch.py", [], ["--batch", "2048", "--repeats", "3"]),
     ("bench_ternary.py", [], ["--seeds", "1", "--epochs", "5"]),
+    ("bench_sharded.py", [], ["--repeats", "2"]),
 )
 
 

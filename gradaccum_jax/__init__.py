@@ -44,6 +44,9 @@ from gradaccum_jax._ternary import (
 # --- measurement ---
 from gradaccum_jax._measure import all_reduce_nbytes, state_nbytes
 
+# --- data parallelism under jax.jit: per-device gradients ---
+from gradaccum_jax._local import local_value_and_grad
+
 # --- micro-batching inside one step ---
 from gradaccum_jax._microbatching import microbatched_value_and_grad
 
@@ -60,6 +63,7 @@ __all__ = [
     "ClipByGlobalNormState",
     "float_accumulator",
     "global_norm",
+    "local_value_and_grad",
     "microbatched_value_and_grad",
     "MultiSteps",
     "MultiStepsState",

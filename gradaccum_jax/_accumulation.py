@@ -20,8 +20,9 @@ int8 codes instead, with the same engine.
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _checks, _weights
+from gradaccum_jax import _checks, _partials, _tree, _weights
 from gradaccum_jax._control import run_if
 from gradaccum_jax._window import WindowAccumulator, float_accumulator
 
@@ -118,6 +119,27 @@ class MultiSteps:
       >>> state = opt.init(params)
       >>> updates, state = opt.update(grads, state, params, weight=n_examples)
       >>> params = optax.apply_updates(params, updates)
+
+    Data parallelism under jax.jit: with a batch sharded over a mesh axis,
+    ``jax.grad`` all-reduces the gradients on every call, k times per
+    window. Take per-device gradients with `local_value_and_grad` instead
+    and build the wrapper with ``unreduced_axes``: the window then keeps one
+    term per device across jitted calls (unreduced arrays on an Explicit
+    mesh, stacked on a leading axis on an Auto one) and is reduced once, in
+    one fused all-reduce of the window and its weight, inside the emission
+    loop; non-emitting micro-steps move nothing between devices:
+
+      >>> jax.set_mesh(mesh)  # before init: the window is built for it
+      >>> opt = MultiSteps(optax.adam(1e-3), 8, unreduced_axes="data")
+      >>> grad_fn = local_value_and_grad(loss_fn, "data", has_weight=True)
+      >>> (loss, w), grads = grad_fn(params, x, y, mask)  # inside jax.jit
+      >>> updates, state = opt.update(grads, state, params, weight=w)
+
+    A per-device ``weight`` (as `local_value_and_grad` returns it) means
+    the gradients are already weighted; the window is then exactly
+    ``sum(w g) / sum(w)`` over all devices and micro-batches. Unreduced
+    arrays cannot be fetched to the host: checkpoint
+    ``reduce_window(state)``, which `update` accepts back.
     """
 
     def __init__(
@@ -131,6 +153,7 @@ class MultiSteps:
         skip_nonfinite: bool = False,
         count_skipped: bool = False,
         window_accumulator: WindowAccumulator | None = None,
+        unreduced_axes: str | Sequence[str] = (),
     ):
         """Builds the wrapper.
 
@@ -159,6 +182,13 @@ class MultiSteps:
             calls and wait for each other in the reduction forever.
           window_accumulator: how the window sum is stored; overrides
             ``accumulator_dtype`` (see `WindowAccumulator`).
+          unreduced_axes: mesh axes (of an Explicit mesh) over which the
+            gradients arrive unreduced, e.g. ``("data",)`` for gradients from
+            `local_value_and_grad`: the window and its weight are kept
+            unreduced across calls and reduced once per window, in one fused
+            all-reduce at the emitting call (see "Data parallelism under
+            jax.jit" in the class docstring). Not with a
+            ``window_accumulator`` or a skip function.
         """
         if isinstance(every_k_schedule, int | np.integer) and not isinstance(
             every_k_schedule, bool
@@ -179,12 +209,31 @@ class MultiSteps:
         )
         self._count_skipped = _checks.boolean("count_skipped", count_skipped)
         accumulator_dtype = _checks.float_dtype("accumulator_dtype", accumulator_dtype)
+        self._unreduced_axes = _checks.axis_names("unreduced_axes", unreduced_axes)
+        if self._unreduced_axes and self._should_skip_update_fn is not None:
+            raise ValueError(
+                "`unreduced_axes` cannot be combined with `should_skip_update_fn` "
+                "or `skip_nonfinite`: an unreduced gradient is a partial sum, so "
+                "testing it takes an all-reduce on every micro-step. Test each "
+                "device's gradients inside the shard_map instead and give a "
+                "non-finite micro-batch weight 0 there."
+            )
         if window_accumulator is None:
-            window_accumulator = float_accumulator(accumulator_dtype)
+            window_accumulator = float_accumulator(
+                accumulator_dtype, self._unreduced_axes
+            )
         elif not isinstance(window_accumulator, WindowAccumulator):
             raise ValueError(
                 "`window_accumulator` must be None or a WindowAccumulator, "
                 f"got {window_accumulator!r}."
+            )
+        elif self._unreduced_axes:
+            raise ValueError(
+                "`unreduced_axes` needs the default float accumulator: pass "
+                "`window_accumulator=None` (got "
+                f"{window_accumulator!r}), or float_accumulator(dtype, "
+                "unreduced_axes) as the window_accumulator without "
+                "`unreduced_axes`."
             )
         self._accumulator = window_accumulator
 
@@ -207,7 +256,7 @@ class MultiSteps:
             inner_opt_state=self._opt.init(params),
             acc_grads=self._accumulator.init(params),
             skip_state=skip_state,
-            acc_weight=jnp.zeros([], jnp.float32),
+            acc_weight=self._as_window_sum(jnp.zeros([], jnp.float32)),
             micro_steps=jnp.zeros([], jnp.int32),
             emitted=jnp.zeros([], jnp.bool_),
         )
@@ -239,8 +288,20 @@ class MultiSteps:
         """
         _checks.floating_leaves(updates, "gradients")
         if params is not None:
-            _checks.same_structure(updates, params, "gradients", "params")
-        weight = _weights.scalar_weight(weight, "MultiSteps.update")
+            _checks.same_structure(
+                updates, self._terms_shapes(params), "gradients", "params"
+            )
+        if (
+            self._unreduced_axes
+            and weight is not None
+            and np.ndim(weight) == 1
+            and _partials.is_stacked(self._unreduced_axes)
+        ):
+            # Per-device weights stacked like the gradients (Auto mesh).
+            weight = jnp.asarray(weight, jnp.float32)
+        else:
+            weight = _weights.scalar_weight(weight, "MultiSteps.update")
+        state = self._unreduce_window(state)
 
         if self._should_skip_update_fn is None:
             accept = jnp.asarray(True)
@@ -278,7 +339,7 @@ class MultiSteps:
         state = state._replace(
             mini_step=mini_step,
             acc_grads=acc,
-            acc_weight=state.acc_weight + weight,
+            acc_weight=state.acc_weight + self._as_window_sum(weight),
             skip_state=skip_state,
             micro_steps=jnp.where(
                 accept, optax.safe_increment(state.micro_steps), state.micro_steps
@@ -308,6 +369,7 @@ class MultiSteps:
         Returns:
           ``(updates, state)`` with a fresh window in ``state``.
         """
+        state = self._unreduce_window(state)
         grads_like = self._accumulator.total(state.acc_grads)
         if params is not None:
             grads_like = optax.tree.cast_like(grads_like, params)
@@ -318,7 +380,7 @@ class MultiSteps:
         return state._replace(
             mini_step=jnp.zeros_like(state.mini_step),
             acc_grads=self._accumulator.reset(state.acc_grads),
-            acc_weight=jnp.zeros_like(state.acc_weight),
+            acc_weight=_tree.zeros_like(state.acc_weight),
             emitted=jnp.zeros_like(state.emitted),
         )
 
@@ -331,7 +393,7 @@ class MultiSteps:
             window_size=jnp.asarray(
                 self._every_k_schedule(state.gradient_step), jnp.int32
             ),
-            window_weight=state.acc_weight,
+            window_weight=self._window_total(state.acc_weight),
         )
 
     def has_updated(self, state: MultiStepsState | optax.OptState) -> jax.Array:
@@ -351,6 +413,62 @@ class MultiSteps:
         """
         return AccumulationTransformation(self.init, self.update)
 
+    def reduce_window(self, state: MultiStepsState) -> MultiStepsState:
+        """Returns ``state`` with its window summed over ``unreduced_axes``.
+
+        An unreduced array cannot leave the devices (``jax.device_get``,
+        ``np.asarray`` and checkpointers raise NotImplementedError on it):
+        save ``reduce_window(state)`` instead, which costs one fused
+        all-reduce of the window. `update` accepts the reduced state back
+        and splits it into a sum again (whole on one device, zeros on the
+        others) without moving data; the window goes on exactly. Without
+        ``unreduced_axes`` the state is returned as is.
+        """
+        if not self._holds_terms(state.acc_weight):
+            return state
+        acc_grads, acc_weight = _partials.reduce(
+            (state.acc_grads, state.acc_weight), self._unreduced_axes
+        )
+        return state._replace(acc_grads=acc_grads, acc_weight=acc_weight)
+
+    def _terms_shapes(self, params: optax.Params) -> Any:
+        """The shapes gradients arrive in: the params', or stacked."""
+        if not _partials.is_stacked(self._unreduced_axes):
+            return params
+        return jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(
+                _partials.stacked_shape(np.shape(p), self._unreduced_axes),
+                jnp.result_type(p),
+            ),
+            params,
+        )
+
+    def _holds_terms(self, weight: jax.Array) -> bool:
+        """Whether ``weight`` is kept as per-device terms."""
+        return _partials.is_terms(weight, jnp.zeros(()), self._unreduced_axes)
+
+    def _window_total(self, acc_weight: jax.Array) -> jax.Array:
+        """The window's total weight, summed over devices if need be."""
+        if not self._holds_terms(acc_weight):
+            return acc_weight
+        return _partials.reduce(acc_weight, self._unreduced_axes)
+
+    def _as_window_sum(self, value: jax.Array) -> jax.Array:
+        """A weight as a term of the window's sum (per device if it is)."""
+        if not self._unreduced_axes or self._holds_terms(value):
+            return value
+        return _partials.lift(value, self._unreduced_axes)
+
+    def _unreduce_window(self, state: MultiStepsState) -> MultiStepsState:
+        """A reduced window (see `reduce_window`) made per-device again."""
+        if not self._unreduced_axes or self._holds_terms(state.acc_weight):
+            return state
+        lift = functools.partial(_partials.lift, axes=self._unreduced_axes)
+        return state._replace(
+            acc_grads=jax.tree.map(lift, state.acc_grads),
+            acc_weight=lift(state.acc_weight),
+        )
+
     def _emit_if(self, emit, state, grads_like, params, extra_args, scratch=None):
         """Runs the inner optimizer on the window's gradient iff ``emit``.
 
@@ -364,6 +482,9 @@ class MultiSteps:
         """
 
         def inner_update(acc, acc_weight, inner_state):
+            # The window's only cross-device traffic: one fused all-reduce of
+            # its unreduced sums, here inside the emission loop.
+            acc, acc_weight = _partials.reduce((acc, acc_weight), self._unreduced_axes)
             grads = self._window_gradient(acc, acc_weight, grads_like)
             new_updates, new_inner_state = self._opt.update(
                 grads, inner_state, params, weight=acc_weight, **extra_args
@@ -394,7 +515,7 @@ class MultiSteps:
             return (
                 jax.tree.leaves(new_updates),
                 slots.rest(self._accumulator.reset(acc)),
-                jnp.zeros_like(acc_weight),
+                _tree.zeros_like(acc_weight),
                 inner_state,
             )
 
@@ -503,7 +624,13 @@ class _UpdateSlots:
 
 
 def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
-    return (jnp.shape(leaf), jnp.result_type(leaf)) == (shape.shape, shape.dtype)
+    # An unreduced window leaf never holds an update: the loop carry keeps
+    # its type, and an update is a reduced value.
+    return (
+        jnp.shape(leaf),
+        jnp.result_type(leaf),
+        _tree.unreduced_axes(leaf),
+    ) == (shape.shape, shape.dtype, _tree.unreduced_axes(shape))
 
 
 def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
@@ -579,6 +706,10 @@ class AccumulationTransformation(optax.GradientTransformationExtraArgs):
         """See `MultiSteps.has_updated`."""
         return self._engine.has_updated(state)
 
+    def reduce_window(self, state: MultiStepsState) -> MultiStepsState:
+        """See `MultiSteps.reduce_window`."""
+        return self._engine.reduce_window(state)
+
     def gradient_transformation(self) -> AccumulationTransformation:
         """Returns itself, so code written for `MultiSteps` runs unchanged."""
         return self
@@ -593,6 +724,7 @@ def accumulate(
     skip_nonfinite: bool = False,
     count_skipped: bool = True,
     accumulator_dtype: Any = jnp.float32,
+    unreduced_axes: str | Sequence[str] = (),
     average: bool | None = None,
 ) -> AccumulationTransformation:
     """Accumulation as a transformation, for use inside `optax.chain`.
@@ -613,6 +745,8 @@ def accumulate(
         keep their place in the window and devices stay in step.
       accumulator_dtype: floating dtype of the window sum (narrower than
         float32: of a running mean, see `float_accumulator`).
+      unreduced_axes: as in `MultiSteps`: mesh axes over which gradients
+        arrive unreduced, reduced once per window.
       average: deprecated spelling of ``use_grad_mean``.
 
     Returns:
@@ -636,4 +770,5 @@ def accumulate(
         accumulator_dtype=accumulator_dtype,
         skip_nonfinite=skip_nonfinite,
         count_skipped=count_skipped,
+        unreduced_axes=unreduced_axes,
     ).gradient_transformation()

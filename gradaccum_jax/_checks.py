@@ -122,6 +122,22 @@ def axis_name(name: str, value: Any) -> Any:
     )
 
 
+def axis_names(name: str, value: Any) -> frozenset[str]:
+    """Returns a set of mesh-axis names from a string or a sequence of them."""
+    names = (value,) if isinstance(value, str) else value
+    if (
+        isinstance(names, tuple | list | set | frozenset)
+        and all(isinstance(v, str) and v for v in names)
+        and len(set(names)) == len(tuple(names))
+    ):
+        return frozenset(names)
+    raise ValueError(
+        f"`{name}` must be a mesh-axis name or a sequence of distinct "
+        f"non-empty mesh-axis names (e.g. ('data',)), or () for none, got "
+        f"{value!r}."
+    )
+
+
 def bound_axis_size(axis: Any, caller: str) -> int:
     """Returns the size of a mapped axis, or explains how to bind it."""
     try:

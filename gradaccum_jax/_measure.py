@@ -7,7 +7,7 @@ a state, the collectives of compiled HLO, never a formula.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -70,14 +70,80 @@ def all_reduce_nbytes(compiled: Any) -> int:
       The sum over all-reduce ops of the number of bytes of their buffers.
     """
     text = compiled if isinstance(compiled, str) else compiled.as_text()
+    return sum(
+        _shapes_nbytes(_HLO_SHAPE.findall(match.group(1)), match.group(0))
+        for match in _HLO_ALL_REDUCE.finditer(text)
+    )
+
+
+class AllReduce(NamedTuple):
+    """One all-reduce instruction of compiled HLO.
+
+    Attributes:
+      nbytes: bytes of its buffers (all operands of a fused tuple
+        all-reduce together).
+      operands: how many buffers it reduces (> 1 for a fused tuple one).
+      place: ``"entry"`` (runs on every call), ``"while-body"`` (runs once
+        per trip of a loop, e.g. `run_if`'s emission loop: once per emitted
+        window) or ``"other"`` (a called computation, e.g. a cond branch).
+    """
+
+    nbytes: int
+    operands: int
+    place: str
+
+
+_HLO_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_HLO_WHILE_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+
+
+def all_reduces(compiled: Any) -> list[AllReduce]:
+    """Returns every all-reduce of compiled HLO with its size and place.
+
+    Like `all_reduce_nbytes`, counts instructions in the text, not their
+    executions; ``place`` tells which run on every call and which only
+    inside a loop.
+
+    Args:
+      compiled: ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
+
+    Returns:
+      One `AllReduce` per all-reduce instruction, in program order.
+    """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    bodies = set(_HLO_WHILE_BODY.findall(text))
+    found = []  # (computation, is_entry, nbytes, operands)
+    computation, is_entry = None, False
+    for line in text.splitlines():
+        header = _HLO_COMPUTATION.match(line)
+        if header and not line.startswith(" "):
+            computation, is_entry = header.group(2), bool(header.group(1))
+            continue
+        match = _HLO_ALL_REDUCE.search(line)
+        if match:
+            shapes = _HLO_SHAPE.findall(match.group(1))
+            found.append(
+                (computation, is_entry, _shapes_nbytes(shapes, line), len(shapes))
+            )
+    return [
+        AllReduce(
+            nbytes,
+            operands,
+            "entry" if is_entry else "while-body" if name in bodies else "other",
+        )
+        for name, is_entry, nbytes, operands in found
+    ]
+
+
+def _shapes_nbytes(shapes: list[tuple[str, str]], where: str) -> int:
     total = 0
-    for match in _HLO_ALL_REDUCE.finditer(text):
-        for dtype, dims in _HLO_SHAPE.findall(match.group(1)):
-            size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-            if dtype not in _HLO_DTYPE_BYTES:
-                raise ValueError(
-                    f"all_reduce_nbytes: unknown HLO element type {dtype!r} in "
-                    f"{match.group(0)!r}."
-                )
-            total += size * _HLO_DTYPE_BYTES[dtype]
+    for dtype, dims in shapes:
+        if dtype not in _HLO_DTYPE_BYTES:
+            raise ValueError(
+                f"all_reduce_nbytes: unknown HLO element type {dtype!r} in {where!r}."
+            )
+        total += (
+            int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+            * (_HLO_DTYPE_BYTES[dtype])
+        )
     return total

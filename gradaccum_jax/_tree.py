@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 def varying_axes(leaf: Any) -> frozenset[str]:
@@ -33,3 +35,94 @@ def vary_over(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(leaf, missing, to="varying")
     return jax.lax.pvary(leaf, missing)  # type: ignore[attr-defined]  # older jax
+
+
+def unreduced_axes(leaf: Any) -> frozenset[str]:
+    """The mesh axes over which ``leaf`` is unreduced (a partial sum).
+
+    An unreduced array (type ``f32[...]{U:data}``) holds on each device one
+    term of a sum over the devices of the axis: its value is that sum, but
+    nothing has been summed yet. Reads the explicit-sharding type
+    (``.sharding.spec.unreduced``) and, inside ``shard_map``, the manual
+    axes' type (``.manual_axis_type.unreduced``); returns their union.
+    Accepts an array, a tracer or a ``jax.ShapeDtypeStruct``.
+    """
+    aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    axes = set(getattr(spec, "unreduced", None) or ())
+    manual_axis_type = getattr(aval, "manual_axis_type", None)
+    axes |= set(getattr(manual_axis_type, "unreduced", None) or ())
+    return frozenset(axes)
+
+
+def partitions(leaf: Any) -> tuple[Any, ...]:
+    """The explicit-sharding partitions of ``leaf`` (``()`` when it has none)."""
+    aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return tuple(getattr(spec, "partitions", None) or ())
+
+
+def unreduced_zeros(leaf: Any, axes: frozenset[str]) -> jax.Array:
+    """Zeros like ``leaf``, with its partitions, unreduced over ``axes``.
+
+    Needs the mesh (``jax.set_mesh``). No data moves: every device holds a
+    zero term of the sum.
+    """
+    spec = jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes))
+    return jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf), out_sharding=spec)
+
+
+def zeros_like(leaf: jax.Array) -> jax.Array:
+    """``jnp.zeros_like`` that also works eagerly on unreduced arrays."""
+    axes = unreduced_axes(leaf)
+    return unreduced_zeros(leaf, axes) if axes else jnp.zeros_like(leaf)
+
+
+def as_unreduced(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """``leaf`` as a sum over ``axes``: whole on one device, zero elsewhere.
+
+    No data moves. Leaves already unreduced over ``axes`` are returned as
+    is. Written as a ``shard_map`` that selects on the device index rather
+    than as ``reshard(leaf, P(unreduced=axes))``: on jax 0.10.2 the reshard
+    of a constant (``weight=None``, ``weight=x.shape[0]``) that is also used
+    reduced elsewhere in the program comes out as the constant on every
+    device, i.e. ``n_devices`` times too large once reduced.
+    """
+    if unreduced_axes(leaf) == axes:
+        return leaf
+    names = tuple(sorted(axes))
+
+    def first_device_only(x):
+        first = functools.reduce(
+            jnp.logical_and, [jax.lax.axis_index(name) == 0 for name in names]
+        )
+        x = jax.lax.pcast(x, names, to="varying")
+        return jax.lax.pcast(
+            jnp.where(first, x, jnp.zeros_like(x)), names, to="unreduced"
+        )
+
+    spec = jax.sharding.PartitionSpec(*partitions(leaf))
+    return jax.shard_map(
+        first_device_only,
+        in_specs=spec,
+        out_specs=jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes)),
+        axis_names=set(axes),
+    )(leaf)
+
+
+def reduce_unreduced(tree: Any) -> Any:
+    """Sums every unreduced leaf of ``tree`` over its unreduced axes.
+
+    All of them in one ``reshard``, which XLA emits as one fused (tuple)
+    all-reduce; each result keeps its leaf's partitions. Other leaves are
+    returned as they are.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    todo = [i for i, leaf in enumerate(leaves) if unreduced_axes(leaf)]
+    if not todo:
+        return tree
+    specs = [jax.sharding.PartitionSpec(*partitions(leaves[i])) for i in todo]
+    reduced = jax.sharding.reshard([leaves[i] for i in todo], specs)
+    for i, value in zip(todo, reduced, strict=True):
+        leaves[i] = value
+    return treedef.unflatten(leaves)

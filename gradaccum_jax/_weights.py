@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gradaccum_jax._tree import unreduced_axes
+
 
 def scalar_weight(weight: Any, caller: str) -> jax.Array:
     """Returns ``weight`` as a float32 scalar: 1 when None, NaN when negative.
@@ -47,6 +49,10 @@ def scalar_weight(weight: Any, caller: str) -> jax.Array:
         raise ValueError(
             f"{caller}: `weight` must be a real number >= 0, got dtype {dtype}."
         )
+    if unreduced_axes(weight):
+        # A partial sum over devices: its sign (and its value) is known only
+        # after the reduction, so it is not checked here.
+        return weight.astype(jnp.float32)
     if not isinstance(weight, jax.core.Tracer) and float(np.asarray(weight)) < 0:
         raise ValueError(
             f"{caller}: `weight` must be >= 0 (a count of examples or tokens), "

@@ -8,14 +8,16 @@ sums the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
+from jax.sharding import reshard
 
-from gradaccum_jax import _checks, _weights
+from gradaccum_jax import _checks, _partials, _tree, _weights
 
 
 class WindowAccumulator(NamedTuple):
@@ -43,38 +45,82 @@ class WindowAccumulator(NamedTuple):
     reset: Callable[[Any], Any]
 
 
-def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
+def float_accumulator(
+    dtype: Any = jnp.float32, unreduced_axes: Sequence[str] = ()
+) -> WindowAccumulator:
     """The window sum kept as one floating array per parameter.
+
+    With ``unreduced_axes`` the sum is kept as one term per device over
+    those mesh axes: unreduced (type ``f32[...]{U:data}``) on an Explicit
+    mesh, stacked on a leading axis of size ``n_devices`` on an Auto mesh
+    (one axis). Each device adds its own gradients and nothing crosses
+    devices until the engine reduces the window, once, when it emits.
+    Gradients must then come in the same form (`local_value_and_grad`). A
+    replicated weight multiplies them as usual; a per-device weight
+    (unreduced, or shape ``(n_devices,)`` when stacked) means each device's
+    gradient term is already weighted (``w_d * g_d``), since a product of
+    two sums over devices is not the sum of the products.
 
     Args:
       dtype: floating dtype of the sum (``accumulator_dtype``). A dtype
         narrower than float32 keeps a running mean instead (see
         `RunningMean`).
+      unreduced_axes: mesh axes over which gradients arrive as per-device
+        terms; ``init`` then needs the mesh (``jax.set_mesh``). Needs a
+        float32 (or wider) ``dtype``.
 
     Returns:
       A `WindowAccumulator` whose state is a tree shaped like the params
       (a `RunningMean` for a dtype narrower than float32).
     """
     dtype = _checks.float_dtype("dtype", dtype)
+    axes = _checks.axis_names("unreduced_axes", unreduced_axes)
     if dtype.itemsize < 4:
+        if axes:
+            # A running mean subtracts, and unreduced arrays have no `-`:
+            # a partial sum minus a partial sum is not defined per device.
+            raise ValueError(
+                "`unreduced_axes` needs a float32 (or wider) accumulator "
+                f"dtype, got {dtype.name}: a narrower window is kept as a "
+                "running mean, which cannot be split into per-device terms."
+            )
         return _running_mean_accumulator(dtype)
 
     def init(params):
-        return optax.tree.zeros_like(params, dtype=dtype)
+        zeros = optax.tree.zeros_like(params, dtype=dtype)
+        if not axes:
+            return zeros
+        return jax.tree.map(lambda leaf: _partials.zeros(leaf, axes), zeros)
 
     def add(acc, grads, weight):
         _checks.same_structure(
             grads, acc, "gradients", "the accumulator (built from the params at init)"
         )
-        weight = weight.astype(dtype)
-        # A select on the weight, not only a multiply by it: a zero-weight
-        # micro-batch (skipped, or all padding with a 0/0 loss) may hold NaNs,
-        # and 0 * NaN is NaN.
-        return jax.tree.map(
-            lambda a, g: jnp.where(weight != 0, a + weight * g.astype(dtype), a),
-            acc,
-            grads,
+        stacked = _partials.is_stacked(axes)
+        # One term per device: unreduced, or stacked on a leading axis.
+        weighted = bool(_tree.unreduced_axes(weight)) or (
+            stacked and jnp.ndim(weight) == 1
         )
+        weight = weight.astype(dtype)
+
+        def add_leaf(path, a, g):
+            if stacked:
+                _check_stacked(path, a, g)
+            else:
+                _check_unreduced(path, a, g, weighted)
+            g = g.astype(dtype)
+            if weighted:
+                return a + g
+            g_axes = _tree.unreduced_axes(g)
+            # The multiply rule of an unreduced operand wants the other one
+            # marked reduced over the same axes (same value on every device).
+            w = reshard(weight, P(reduced=set(g_axes))) if g_axes else weight
+            # A select on the weight, not only a multiply by it: a zero-weight
+            # micro-batch (skipped, or all padding with a 0/0 loss) may hold
+            # NaNs, and 0 * NaN is NaN.
+            return jnp.where(weight != 0, a + w * g, a)
+
+        return jax.tree_util.tree_map_with_path(add_leaf, acc, grads)
 
     def total(acc):
         return acc
@@ -82,7 +128,7 @@ def float_accumulator(dtype: Any = jnp.float32) -> WindowAccumulator:
     def reset(acc):
         # A fresh zero, not `0 * acc`: 0 * NaN is NaN, and a NaN micro-batch
         # must not leak into the next window.
-        return jax.tree.map(jnp.zeros_like, acc)
+        return jax.tree.map(_tree.zeros_like, acc)
 
     return WindowAccumulator(init, add, total, reset)
 
@@ -146,3 +192,32 @@ def _running_mean_accumulator(dtype: jnp.dtype) -> WindowAccumulator:
         )
 
     return WindowAccumulator(init, add, total, reset)
+
+
+def _check_stacked(path: Any, acc: Any, grad: Any) -> None:
+    """Raises if a gradient leaf is not stacked like the window's leaf."""
+    if jnp.shape(grad) != jnp.shape(acc):
+        raise ValueError(
+            f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
+            f"{jnp.shape(grad)}; on an Auto mesh the window keeps one term per "
+            f"device stacked on a leading axis, shape {jnp.shape(acc)}: pass "
+            "the stacked per-device gradients of local_value_and_grad."
+        )
+
+
+def _check_unreduced(path: Any, acc: Any, grad: Any, weighted: bool) -> None:
+    """Raises if a gradient leaf is not unreduced over the window's axes."""
+    acc_axes, grad_axes = _tree.unreduced_axes(acc), _tree.unreduced_axes(grad)
+    if grad_axes != acc_axes:
+        raise ValueError(
+            f"Gradient leaf {jax.tree_util.keystr(path)} is unreduced over mesh "
+            f"axes {sorted(grad_axes)}, the accumulation window over "
+            f"{sorted(acc_axes)}: pass unreduced_axes={tuple(sorted(grad_axes))} "
+            "to the accumulator (MultiSteps, accumulate) and init it again."
+        )
+    if weighted and not grad_axes:
+        raise ValueError(
+            "An unreduced `weight` means each device's gradients are already "
+            f"weighted, but gradient leaf {jax.tree_util.keystr(path)} is not "
+            "unreduced: pass a replicated weight."
+        )

@@ -41,6 +41,7 @@ VALID: dict[str, dict[str, Any]] = {
     "ternary_accumulate": {"opt": optax.sgd(0.1), "every_k": 2},
     "ternary_average_across_devices": {"axis_name": "devices", "seed": 0},
     "microbatched_value_and_grad": {"loss_fn": _loss, "num_microbatches": 2},
+    "local_value_and_grad": {"loss_fn": _loss, "axis_name": "data"},
 }
 
 # Arguments that are inputs, not configuration.
@@ -69,6 +70,7 @@ BOOL = r"a bool"
 CALLABLE = r"callable"
 TRANSFORMATION = r"GradientTransformation"
 ACCUMULATOR = r"WindowAccumulator"
+MESH_AXES = r"mesh-axis name or a sequence of distinct"
 
 NAN, INF = math.nan, math.inf
 
@@ -144,6 +146,14 @@ TABLE: list[Row] = [
         ("", None, 3, (), ("devices", ""), ["devices"]),
         AXIS_NAME,
     ),
+    Row("local_value_and_grad", "axis_name", ("", None, 3, ("data",)), AXIS_NAME),
+    # Mesh axes over which gradients arrive unreduced.
+    *_rows_for(
+        ("MultiSteps", "accumulate", "float_accumulator"),
+        "unreduced_axes",
+        ("", None, 3, ("data", "data"), ("data", ""), ("data", 1)),
+        MESH_AXES,
+    ),
     # The wrapped optimizer: a transformation, not its factory.
     *_rows_for(ACCUMULATORS, "opt", (None, optax.adam, "adam"), TRANSFORMATION),
     Row("MultiSteps", "window_accumulator", ("float32", (1, 2)), ACCUMULATOR),
@@ -161,6 +171,7 @@ TABLE: list[Row] = [
         BOOL,
     ),
     Row("microbatched_value_and_grad", "has_aux", ("False", None), BOOL),
+    Row("local_value_and_grad", "has_weight", ("False", None), BOOL),
     # Callables.
     *_rows_for(
         ACCUMULATORS,
@@ -169,6 +180,7 @@ TABLE: list[Row] = [
         CALLABLE,
     ),
     Row("microbatched_value_and_grad", "loss_fn", (3, None), CALLABLE),
+    Row("local_value_and_grad", "loss_fn", (3, None), CALLABLE),
     Row("microbatched_value_and_grad", "weight_fn", (3, "mask"), CALLABLE),
     # Micro-batching: the PRNG key's slot and the data-parallel layout.
     Row(

@@ -1,0 +1,142 @@
+"""Per-device gradients under `jax.jit`, left unreduced until a window emits.
+
+Under ``jax.jit`` with a batch sharded over a data axis, ``jax.grad`` of a
+mean loss all-reduces the gradients on every call: with accumulation that
+is one gradient-sized all-reduce per micro-step, k per window, where one
+per window suffices (the window's sum is linear). `local_value_and_grad`
+takes each device's gradient in a ``shard_map`` and returns it *unreduced*
+(type ``f32[...]{U:data}``: each device holds one term of the sum, nothing
+has crossed devices); an accumulator built with the same
+``unreduced_axes`` keeps the window unreduced across calls and reduces it
+once, when it emits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from gradaccum_jax import _checks
+from gradaccum_jax._tree import vary_over
+
+
+def local_value_and_grad(
+    loss_fn: Callable[..., Any],
+    axis_name: str = "data",
+    *,
+    has_weight: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """Value and gradient of ``loss_fn``, one term per device of ``axis_name``.
+
+    ``loss_fn(params, *batch)`` is evaluated on each device's shard of the
+    batch (every ``batch`` argument is split along its leading dimension
+    over ``axis_name``; ``params`` are replicated). The results are
+    unreduced over ``axis_name`` (each device holds one term of the sum):
+
+    * without weights: the loss and gradient divided by the number of
+      devices, so that their sum is the mean over devices;
+    * ``has_weight=True``: ``loss_fn`` returns ``(loss, weight)``, the
+      device's mean loss and its weight (its number of valid examples or
+      tokens); the results are ``w * loss``, ``w`` and ``w * g``. Pass the
+      unreduced ``w`` on as ``update(..., weight=w)``: the window's
+      gradient is then ``sum(w g) / sum(w)`` over all devices and
+      micro-batches, the big-batch gradient even when devices hold
+      different numbers of valid examples.
+
+    The terms' form follows the mesh (``jax.set_mesh``): on an Explicit
+    axis they are unreduced arrays shaped like the values (type
+    ``f32[...]{U:data}``); on an Auto axis, which has no unreduced types,
+    they are stacked on a new leading axis of size ``n_devices``, sharded
+    over ``axis_name`` (``loss`` and ``weight`` of shape ``(n_devices,)``).
+    An accumulator built with ``unreduced_axes=axis_name`` takes either
+    form and sums it once per window; its state keeps the same form.
+
+    Usage (k micro-batches per update, one all-reduce per window)::
+
+      mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+      jax.set_mesh(mesh)
+      opt = gradaccum_jax.MultiSteps(optax.adam(1e-3), 8, unreduced_axes="data")
+      state = opt.init(params)
+      grad_fn = gradaccum_jax.local_value_and_grad(loss_fn, "data")
+
+      @jax.jit
+      def step(params, state, x, y):
+          loss, grads = grad_fn(params, x, y)  # no collective
+          updates, state = opt.update(grads, state, params)
+          return optax.apply_updates(params, updates), state, loss
+
+    ``loss`` is unreduced too: ``jax.sharding.reshard(loss, P())`` sums it
+    (a scalar all-reduce) where it is logged (``loss.sum()`` when stacked).
+    To save ``state``, save ``opt.reduce_window(state)``. The same code
+    runs on an Auto mesh (``axis_types=(AxisType.Auto,)``, or a plain
+    ``jax.sharding.Mesh``) once it is set with ``jax.set_mesh``.
+
+    Args:
+      loss_fn: ``loss_fn(params, *batch) -> loss`` (a scalar, the mean over
+        the device's examples), or ``-> (loss, weight)`` with
+        ``has_weight``.
+      axis_name: the mesh axis the batch is split over.
+      has_weight: whether ``loss_fn`` also returns the device's weight.
+
+    Returns:
+      ``fn(params, *batch) -> (loss, grads)``, or ``((loss, weight), grads)``
+      with ``has_weight``, all as per-device terms over ``axis_name``.
+    """
+    loss_fn = _checks.optional_callable(
+        "loss_fn", loss_fn, "loss_fn(params, *batch) -> loss"
+    )
+    if loss_fn is None:
+        raise ValueError("`loss_fn` must be a callable, got None.")
+    axis_name = _checks.axis_name("axis_name", axis_name)
+    if not isinstance(axis_name, str):
+        raise ValueError(
+            "`axis_name` must be a non-empty string naming one mesh axis, got "
+            f"{axis_name!r}."
+        )
+    has_weight = _checks.boolean("has_weight", has_weight)
+
+    def local(params, *batch):
+        params = jax.lax.pcast(params, axis_name, to="varying")
+        if has_weight:
+            (loss, weight), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, *batch
+            )
+            weight = jnp.asarray(weight, jnp.float32)
+            scaled = jax.tree.map(lambda g: weight.astype(g.dtype) * g, grads)
+            out = ((weight * loss, weight), scaled)
+        else:
+            loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+            share = 1.0 / jax.lax.axis_size(axis_name)
+            out = (loss * share, jax.tree.map(lambda g: g * share, grads))
+        # A constant (a weight from a static shape) is the same on every
+        # device: mark it varying first, as a per-device term must be.
+        return jax.tree.map(lambda x: vary_over(x, frozenset({axis_name})), out)
+
+    def unreduced(params, *batch):
+        return jax.lax.pcast(local(params, *batch), axis_name, to="unreduced")
+
+    def stacked(params, *batch):
+        return jax.tree.map(lambda x: x[None], local(params, *batch))
+
+    def value_and_grad(params, *batch):
+        mesh = jax.sharding.get_abstract_mesh()
+        if axis_name not in mesh.axis_names:
+            raise ValueError(
+                f"local_value_and_grad: mesh axis {axis_name!r} is not in the "
+                f"current mesh {mesh.axis_names}: call it under "
+                "jax.set_mesh(mesh)."
+            )
+        explicit = mesh._name_to_type[axis_name] == AxisType.Explicit
+        mapped = jax.shard_map(
+            unreduced if explicit else stacked,
+            in_specs=(P(), *(P(axis_name) for _ in batch)),
+            out_specs=P(unreduced={axis_name}) if explicit else P(axis_name),
+        )
+        return mapped(params, *batch)
+
+    return value_and_grad

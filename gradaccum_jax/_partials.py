@@ -1,0 +1,106 @@
+"""Per-device terms of a sum, kept apart until a window is reduced.
+
+Data parallelism under ``jax.jit`` needs one sum over devices per window,
+not per micro-step. Until then each device keeps its own term, in one of two
+forms picked from the current mesh (``jax.set_mesh``):
+
+* Explicit axes: an *unreduced* array (type ``f32[...]{U:data}``), shaped
+  like the value; JAX tracks that it is a sum and reduces it on ``reshard``.
+* Auto axes (no unreduced types there): the terms *stacked* on a leading
+  axis of size ``n_devices``, sharded over the mesh axis; the sum is
+  ``.sum(0)``.
+
+Either way a term crosses devices only in `reduce`: one (fused) all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from gradaccum_jax import _tree
+
+
+def is_stacked(axes: frozenset[str]) -> bool:
+    """Whether terms over ``axes`` are stacked (Auto mesh) or unreduced."""
+    if not axes:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    missing = sorted(axes - set(mesh.axis_names))
+    if missing:
+        raise ValueError(
+            f"`unreduced_axes` {sorted(axes)}: mesh axes {missing} are not in "
+            f"the current mesh {mesh.axis_names}; call under jax.set_mesh(mesh)."
+        )
+    types = {mesh._name_to_type[name] for name in axes}
+    if types == {AxisType.Explicit}:
+        return False
+    if len(axes) > 1 or types != {AxisType.Auto}:
+        raise ValueError(
+            f"`unreduced_axes` {sorted(axes)}: on a mesh that is not all "
+            "Explicit, only one Auto axis is supported (terms stacked on a "
+            f"leading axis), got types {sorted(str(t) for t in types)}."
+        )
+    return True
+
+
+def _stack_axis(axes: frozenset[str]) -> tuple[str, int]:
+    (name,) = axes
+    return name, jax.sharding.get_abstract_mesh().shape[name]
+
+
+def stacked_shape(shape: tuple[int, ...], axes: frozenset[str]) -> tuple[int, ...]:
+    """The shape of stacked terms of a value of ``shape``."""
+    return (_stack_axis(axes)[1], *shape)
+
+
+def _stacked_constraint(x: jax.Array, axis: str) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, P(axis))
+
+
+def zeros(leaf: Any, axes: frozenset[str]) -> jax.Array:
+    """A zero sum, one term per device, for a value shaped like ``leaf``."""
+    if not is_stacked(axes):
+        return _tree.unreduced_zeros(leaf, axes)
+    shape = stacked_shape(jnp.shape(leaf), axes)
+    return _stacked_constraint(jnp.zeros(shape, jnp.result_type(leaf)), *axes)
+
+
+def is_terms(leaf: Any, like: Any, axes: frozenset[str]) -> bool:
+    """Whether ``leaf`` holds per-device terms of a value shaped like ``like``.
+
+    ``like`` is the reduced value's shape (a scalar for a weight, a
+    parameter for a gradient).
+    """
+    if not axes:
+        return False
+    if is_stacked(axes):
+        return jnp.ndim(leaf) == jnp.ndim(like) + 1
+    return _tree.unreduced_axes(leaf) == axes
+
+
+def lift(value: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """A reduced value as terms: whole on the first device, zero elsewhere."""
+    if not is_stacked(axes):
+        return _tree.as_unreduced(value, axes)
+    axis, size = _stack_axis(axes)
+    stacked = jnp.zeros((size, *jnp.shape(value)), value.dtype).at[0].set(value)
+    return _stacked_constraint(stacked, axis)
+
+
+def reduce(tree: Any, axes: frozenset[str]) -> Any:
+    """Sums every leaf of ``tree`` (all terms) over the devices, in one go.
+
+    Unreduced leaves are resharded together (one fused tuple all-reduce);
+    stacked leaves are summed over their leading axis, which XLA's
+    all-reduce combiner fuses the same way.
+    """
+    if not axes:
+        return tree
+    if not is_stacked(axes):
+        return _tree.reduce_unreduced(tree)
+    return jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), tree)

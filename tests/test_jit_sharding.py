@@ -1,0 +1,314 @@
+"""Data parallelism under jax.jit: one gradient all-reduce per window.
+
+Gradients from `local_value_and_grad` are unreduced over the data axis; an
+accumulator built with ``unreduced_axes`` keeps its window unreduced across
+jitted calls and reduces it once, inside the emission loop. The HLO tests
+count all-reduces in compiled programs; the numerical tests compare with the
+gradient of the whole (weighted, ragged) batch on one device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, reshard
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+from gradaccum_jax._measure import all_reduces
+
+N_DEVICES = 8
+K = 3
+
+
+@pytest.fixture
+def mesh():
+    mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+@pytest.fixture(params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def any_mesh(request):
+    """Explicit: terms are unreduced arrays. Auto: terms stacked per device."""
+    mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(request.param,))
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def _holds_terms(leaf, mesh, shape):
+    """Whether ``leaf`` keeps one term per device of a value of ``shape``."""
+    if mesh.axis_types == (AxisType.Explicit,):
+        return ga._tree.unreduced_axes(leaf) == {"data"} and leaf.shape == shape
+    return leaf.shape == (N_DEVICES, *shape) and leaf.sharding.spec == P("data")
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (16, 32)) * 0.3,
+        "w2": jax.random.normal(k2, (32, 4)) * 0.3,
+        "b": jnp.zeros((4,)),
+    }
+
+
+PARAM_BYTES = (16 * 32 + 32 * 4 + 4) * 4
+
+
+def _errors(params, x, y):
+    pred = jnp.tanh(x @ params["w1"]) @ params["w2"] + params["b"]
+    return jnp.mean((pred - y) ** 2, axis=-1)
+
+
+def _mean_loss(params, x, y):
+    return jnp.mean(_errors(params, x, y))
+
+
+def _masked_loss(params, x, y, mask):
+    """The device's masked mean loss and its number of valid examples."""
+    count = jnp.sum(mask)
+    loss = jnp.sum(mask * _errors(params, x, y)) / jnp.maximum(count, 1.0)
+    return loss, count
+
+
+def _micro_batches(sizes, masked=False, seed=0):
+    rs = np.random.RandomState(seed)
+    batches = []
+    for n in sizes:
+        x = rs.randn(n, 16).astype(np.float32)
+        y = rs.randn(n, 4).astype(np.float32)
+        # Ragged: devices hold different numbers of valid examples, some none.
+        mask = (rs.rand(n) < 0.6).astype(np.float32) if masked else np.ones(n)
+        batches.append((x, y, mask.astype(np.float32)))
+    return batches
+
+
+def _big_batch_grad(params, batches):
+    x, y, mask = (np.concatenate(parts) for parts in zip(*batches, strict=True))
+
+    def loss(p):
+        return jnp.sum(mask * _errors(p, x, y)) / np.sum(mask)
+
+    return jax.grad(loss)(jax.device_get(params))
+
+
+def _place(batch):
+    return tuple(jax.device_put(part, P("data")) for part in batch)
+
+
+def _weighted_step(opt):
+    grad_fn = ga.local_value_and_grad(_masked_loss, "data", has_weight=True)
+
+    def step(params, state, x, y, mask):
+        (_, weight), grads = grad_fn(params, x, y, mask)
+        return opt.update(grads, state, params, weight=weight)
+
+    return step
+
+
+def _max_error(updates, grads):
+    # sgd(1.0) emits minus the window's gradient.
+    return max(
+        float(np.abs(-np.asarray(updates[k]) - np.asarray(grads[k])).max())
+        for k in grads
+    )
+
+
+# --- HLO: where the gradient all-reduce sits -------------------------------
+
+
+def test_plain_jit_all_reduces_the_gradients_on_every_micro_step(mesh):
+    """The reference the other HLO tests improve on: optax under plain jit."""
+    opt = optax.MultiSteps(optax.sgd(1.0), K)
+    params = jax.device_put(_params(), P())
+    state = opt.init(params)
+    x, y, _ = _place(_micro_batches([16])[0])
+
+    def step(params, state, x, y):
+        return opt.update(jax.grad(_mean_loss)(params, x, y), state, params)
+
+    ops = all_reduces(jax.jit(step).lower(params, state, x, y).compile())
+    entry = [op for op in ops if op.place == "entry"]
+    assert sum(op.nbytes for op in entry) >= PARAM_BYTES
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_one_fused_all_reduce_inside_the_emission_loop_and_none_outside(
+    any_mesh, weighted
+):
+    opt = ga.MultiSteps(optax.adam(1e-3), K, unreduced_axes="data")
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    x, y, mask = _place(_micro_batches([16])[0])
+    if weighted:
+        compiled = jax.jit(_weighted_step(opt)).lower(params, state, x, y, mask)
+    else:
+        grad_fn = ga.local_value_and_grad(_mean_loss, "data")
+
+        def step(params, state, x, y):
+            _, grads = grad_fn(params, x, y)
+            return opt.update(grads, state, params)
+
+        compiled = jax.jit(step).lower(params, state, x, y)
+    ops = all_reduces(compiled.compile())
+    # Nothing crosses devices on a micro-step that does not emit ...
+    assert [op for op in ops if op.place != "while-body"] == []
+    # ... and the emitting one reduces the window and its weight together.
+    assert len(ops) == 1
+    assert ops[0].operands == 3 + 1
+    assert ops[0].nbytes == PARAM_BYTES + 4
+
+
+def test_accumulate_in_a_chain_reduces_once_per_window_too(mesh):
+    opt = optax.chain(ga.accumulate(optax.sgd(1.0), K, unreduced_axes=("data",)))
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    args = _place(_micro_batches([16], masked=True)[0])
+    ops = all_reduces(
+        jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
+    )
+    assert [(op.place, op.nbytes) for op in ops] == [("while-body", PARAM_BYTES + 4)]
+
+
+# --- numbers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-valid", "ragged"])
+def test_weighted_windows_equal_the_big_batch_gradient(any_mesh, masked):
+    opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    for window in range(2):
+        batches = _micro_batches([16, 32, 8], masked=masked, seed=window)
+        for i, batch in enumerate(batches):
+            updates, state = step(params, state, *_place(batch))
+            assert bool(opt.has_updated(state)) == (i == K - 1)
+            # The window stays per device between jitted calls.
+            assert _holds_terms(state.acc_grads["w1"], any_mesh, (16, 32))
+            assert _holds_terms(state.acc_weight, any_mesh, ())
+        assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+
+
+def test_unweighted_equal_micro_batches_equal_the_big_batch_gradient(mesh):
+    opt = ga.accumulate(optax.sgd(1.0), K, unreduced_axes="data")
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    grad_fn = ga.local_value_and_grad(_mean_loss, "data")
+
+    @jax.jit
+    def step(params, state, x, y):
+        loss, grads = grad_fn(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return updates, state, reshard(loss, P())
+
+    batches = _micro_batches([16, 16, 16])
+    for batch in batches:
+        updates, state, loss = step(params, state, *_place(batch[:2]))
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+    np.testing.assert_allclose(
+        loss, _mean_loss(jax.device_get(params), *batches[-1][:2]), rtol=1e-6
+    )
+
+
+def test_flush_emits_the_partial_window_and_stats_reduce_its_weight(any_mesh):
+    opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    batches = _micro_batches([16, 24], masked=True)
+    for batch in batches:
+        _, state = step(params, state, *_place(batch))
+    stats = jax.jit(opt.stats)(state)
+    assert int(stats.window_fill) == 2
+    assert float(stats.window_weight) == sum(float(b[2].sum()) for b in batches)
+    updates, state = jax.jit(opt.flush)(state, params)
+    assert bool(opt.has_updated(state))
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+    assert float(jax.jit(opt.stats)(state).window_weight) == 0.0
+
+
+def test_reset_drops_the_partial_window(mesh):
+    opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    _, state = step(params, state, *_place(_micro_batches([16], True, seed=9)[0]))
+    state = jax.jit(opt.reset)(state)
+    batches = _micro_batches([16, 32, 8], masked=True)
+    for batch in batches:
+        updates, state = step(params, state, *_place(batch))
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+
+
+def test_a_non_finite_micro_batch_spoils_only_its_own_window(any_mesh):
+    opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    spoiled = _micro_batches([16, 16, 16], masked=True, seed=1)
+    spoiled[1][0][3] = np.nan
+    for batch in spoiled:
+        updates, state = step(params, state, *_place(batch))
+    assert np.isnan(np.asarray(updates["w1"])).any()
+    batches = _micro_batches([16, 32, 8], masked=True, seed=2)
+    for batch in batches:
+        updates, state = step(params, state, *_place(batch))
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+
+
+# --- checkpoints ------------------------------------------------------------
+
+
+def test_a_per_device_state_is_saved_through_reduce_window(any_mesh):
+    opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    batches = _micro_batches([16, 32, 8], masked=True)
+    _, state = step(params, state, *_place(batches[0]))
+    if any_mesh.axis_types == (AxisType.Explicit,):
+        with pytest.raises(NotImplementedError, match="unreduced"):
+            jax.device_get(state.acc_grads["w1"])
+    saved = jax.device_get(jax.jit(opt.reduce_window)(state))
+    assert saved.acc_weight == batches[0][2].sum()
+    assert saved.acc_grads["w1"].shape == (16, 32)
+    # Restored (replicated) it goes on as if it had never left the devices.
+    restored = jax.device_put(saved, P())
+    for batch in batches[1:]:
+        updates, restored = step(params, restored, *_place(batch))
+    assert _holds_terms(restored.acc_grads["w1"], any_mesh, (16, 32))
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+
+
+# --- errors -----------------------------------------------------------------
+
+
+def test_unreduced_gradients_need_an_unreduced_window(mesh):
+    opt = ga.MultiSteps(optax.sgd(1.0), K)
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    with pytest.raises(ValueError, match=r"leaf \['b'\] is unreduced over mesh axes"):
+        jax.jit(_weighted_step(opt))(
+            params, state, *_place(_micro_batches([16], True)[0])
+        )
+
+
+def test_unreduced_axes_and_a_skip_function_are_rejected():
+    with pytest.raises(ValueError, match="`unreduced_axes` cannot be combined"):
+        ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data", skip_nonfinite=True)
+
+
+def test_local_value_and_grad_stacks_the_terms_on_an_auto_mesh():
+    auto = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
+    grad_fn = ga.local_value_and_grad(_masked_loss, "data", has_weight=True)
+    x, y, mask = _micro_batches([16], masked=True)[0]
+    with jax.set_mesh(auto):
+        (loss, weight), grads = jax.jit(grad_fn)(_params(), x, y, mask)
+    assert weight.shape == loss.shape == (N_DEVICES,)
+    np.testing.assert_array_equal(weight, mask.reshape(N_DEVICES, -1).sum(1))
+    assert grads["w1"].shape == (N_DEVICES, 16, 32)
+    assert grads["w1"].sharding.spec == P("data")
