@@ -231,8 +231,8 @@ def test_valid_arguments_construct():
             assert (codes.dtype, scale.dtype) == (jnp.int8, jnp.float32)
         elif name == "float_accumulator":
             assert isinstance(built, ga.WindowAccumulator)
-        elif name == "microbatched_value_and_grad":
-            assert callable(built)
+        elif name in ("microbatched_value_and_grad", "local_value_and_grad"):
+            assert callable(built) and not hasattr(built, "init"), name
         else:  # a transformation (MultiSteps is one with methods)
             assert callable(built.init) and callable(built.update), name
 
