@@ -114,10 +114,18 @@ class MultiSteps:
     * `flush`, `reset` and `stats` handle partial windows.
 
     Example:
-      >>> opt = MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from gradaccum_jax import MultiSteps
+      >>> opt = MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+      >>> params = {"w": jnp.zeros(2)}
       >>> state = opt.init(params)
-      >>> updates, state = opt.update(grads, state, params, weight=n_examples)
-      >>> params = optax.apply_updates(params, updates)
+      >>> micro_batches = [(jnp.array([1.0, 2.0]), 3), (jnp.array([5.0, 6.0]), 1)]
+      >>> for grad, n_examples in micro_batches:
+      ...     updates, state = opt.update({"w": grad}, state, params, weight=n_examples)
+      ...     params = optax.apply_updates(params, updates)
+      >>> params["w"]  # minus the weighted mean (3 * [1, 2] + [5, 6]) / 4
+      Array([-2., -3.], dtype=float32)
     """
 
     def __init__(
