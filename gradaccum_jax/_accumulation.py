@@ -115,10 +115,18 @@ class MultiSteps:
     * `flush`, `reset` and `stats` handle partial windows.
 
     Example:
-      >>> opt = MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from gradaccum_jax import MultiSteps
+      >>> opt = MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+      >>> params = {"w": jnp.zeros(2)}
       >>> state = opt.init(params)
-      >>> updates, state = opt.update(grads, state, params, weight=n_examples)
-      >>> params = optax.apply_updates(params, updates)
+      >>> micro_batches = [(jnp.array([1.0, 2.0]), 3), (jnp.array([5.0, 6.0]), 1)]
+      >>> for grad, n_examples in micro_batches:
+      ...     updates, state = opt.update({"w": grad}, state, params, weight=n_examples)
+      ...     params = optax.apply_updates(params, updates)
+      >>> params["w"]  # minus the weighted mean (3 * [1, 2] + [5, 6]) / 4
+      Array([-2., -3.], dtype=float32)
 
     Data parallelism under jax.jit: with a batch sharded over a mesh axis,
     ``jax.grad`` all-reduces the gradients on every call, k times per
@@ -127,13 +135,13 @@ class MultiSteps:
     term per device across jitted calls (unreduced arrays on an Explicit
     mesh, stacked on a leading axis on an Auto one) and is reduced once, in
     one fused all-reduce of the window and its weight, inside the emission
-    loop; non-emitting micro-steps move nothing between devices:
+    loop; non-emitting micro-steps move nothing between devices::
 
-      >>> jax.set_mesh(mesh)  # before init: the window is built for it
-      >>> opt = MultiSteps(optax.adam(1e-3), 8, unreduced_axes="data")
-      >>> grad_fn = local_value_and_grad(loss_fn, "data", has_weight=True)
-      >>> (loss, w), grads = grad_fn(params, x, y, mask)  # inside jax.jit
-      >>> updates, state = opt.update(grads, state, params, weight=w)
+      jax.set_mesh(mesh)  # before init: the window is built for it
+      opt = MultiSteps(optax.adam(1e-3), 8, unreduced_axes="data")
+      grad_fn = local_value_and_grad(loss_fn, "data", has_weight=True)
+      (loss, w), grads = grad_fn(params, x, y, mask)  # inside jax.jit
+      updates, state = opt.update(grads, state, params, weight=w)
 
     A per-device ``weight`` (as `local_value_and_grad` returns it) means
     the gradients are already weighted; the window is then exactly

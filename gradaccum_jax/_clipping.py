@@ -71,11 +71,18 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     :func:`global_norm`), and updates are returned in their own dtype.
 
     The state records the pre-clip norm and whether the step clipped, so a
-    train step can log them::
+    train step can log them:
 
-      opt = optax.chain(clip_by_global_norm(1.0), optax.adam(1e-3))
-      updates, opt_state = opt.update(grads, opt_state)
-      pre_clip_norm = opt_state[0].global_norm
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from gradaccum_jax import clip_by_global_norm
+      >>> opt = optax.chain(clip_by_global_norm(1.0), optax.sgd(1.0))
+      >>> opt_state = opt.init({"w": jnp.zeros(2)})
+      >>> updates, opt_state = opt.update({"w": jnp.array([3.0, 4.0])}, opt_state)
+      >>> opt_state[0].global_norm, opt_state[0].clipped  # pre-clip norm
+      (Array(5., dtype=float32), Array(True, dtype=bool))
+      >>> updates["w"]
+      Array([-0.6..., -0.8...], dtype=float32)
 
     Args:
       max_norm: The largest global norm an update may have; a positive finite

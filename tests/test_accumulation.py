@@ -262,6 +262,38 @@ def test_update_dtypes_match_the_unwrapped_optimizer(grad_dtype, param_dtype):
     assert state.acc_grads["w"].dtype == jnp.float32
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda inner: MultiSteps(inner, 2),
+        lambda inner: accumulate(inner, 2),
+        lambda inner: gradaccum_jax.ternary_accumulate(inner, 2, min_size=1),
+    ],
+    ids=["MultiSteps", "accumulate", "ternary_accumulate"],
+)
+@pytest.mark.parametrize(
+    "inner, update_dtype",
+    [(optax.sgd(1e-2), jnp.bfloat16), (optax.adam(1e-2), jnp.float32)],
+    ids=["sgd", "adam"],
+)
+def test_bfloat16_gradients_of_float32_params_are_accepted(build, inner, update_dtype):
+    # README: floating gradients of another dtype pass (as in optax.MultiSteps);
+    # the updates come in the inner optimizer's dtype for such gradients and
+    # apply_updates casts them to the params' dtype.
+    params = {"w": jnp.ones((3,), jnp.float32)}
+    grads = {"w": jnp.full((3,), 0.5, jnp.bfloat16)}
+    expected, _ = inner.update(grads, inner.init(params), params)
+    assert expected["w"].dtype == update_dtype
+    tx = build(inner)
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        assert updates["w"].dtype == update_dtype
+    assert bool(tx.has_updated(state))
+    np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-2)
+    assert optax.apply_updates(params, updates)["w"].dtype == jnp.float32
+
+
 def test_accumulator_dtype_and_state_dtypes_are_stable_under_scan():
     opt = MultiSteps(optax.adam(1e-2), 3, accumulator_dtype=jnp.bfloat16)
     params = {"w": jnp.zeros((2,), jnp.float32)}
@@ -380,6 +412,7 @@ def test_donated_train_step_needs_no_parameter_sized_temporaries(wrap_grads):
 )
 def test_every_entry_point_has_the_window_methods(build):
     tx = build()
+    assert isinstance(tx, gradaccum_jax.AccumulationTransformation)
     assert isinstance(tx, optax.GradientTransformationExtraArgs)
     assert tx.gradient_transformation() is tx
     params = {"a": jnp.zeros((4,))}

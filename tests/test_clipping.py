@@ -344,3 +344,29 @@ def test_both_placements_equal_adam_on_the_hand_clipped_means(
         expected, adam_state = adam.update({"w": jnp.array(grads)}, adam_state)
         np.testing.assert_array_equal(updates[2 * window], [0.0, 0.0])
         np.testing.assert_allclose(updates[2 * window + 1], expected["w"], rtol=1e-5)
+
+
+def test_logged_window_norm_is_the_last_emitted_windows_between_emissions():
+    # README, data parallelism: log grad_norm when has_updated is true; on
+    # other calls the state still holds the previous window's norm (0.0
+    # before the first window), since the clipper runs only at emission.
+    tx = ga.MultiSteps(optax.chain(ga.clip_by_global_norm(1.0), optax.sgd(1.0)), 2)
+    params = {"a": jnp.zeros([])}
+    state = tx.init(params)
+    logged = []
+    for g in (3.0, 4.0, 10.0, 20.0):
+        _, state = jax.jit(tx.update)({"a": jnp.asarray(g)}, state, params)
+        clip_state = state.inner_opt_state[0]
+        logged.append(
+            (
+                float(clip_state.global_norm),
+                bool(clip_state.clipped),
+                bool(tx.has_updated(state)),
+            )
+        )
+    assert logged == [
+        (0.0, False, False),
+        (3.5, True, True),
+        (3.5, True, False),
+        (15.0, True, True),
+    ]

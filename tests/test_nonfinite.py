@@ -47,6 +47,19 @@ def test_accumulate_skip_nonfinite_gives_weight_zero_in_place():
     assert outputs == [0.0, -1.0, 0.0, -4.0]
 
 
+def test_count_skipped_alone_skips_nothing():
+    # README, data parallelism: count_skipped only says how a skipped
+    # micro-batch counts; it takes skip_nonfinite or a skip function to skip.
+    alone, _ = feed(
+        ga.MultiSteps(optax.sgd(1.0), 3, count_skipped=True), [1.0, NAN, 4.0]
+    )
+    assert alone[:2] == [0.0, 0.0] and np.isnan(alone[2])
+    tx = ga.MultiSteps(optax.sgd(1.0), 3, skip_nonfinite=True, count_skipped=True)
+    skipped, state = feed(tx, [1.0, NAN, 4.0])
+    assert skipped == [0.0, 0.0, -2.5]  # the NaN counts with weight 0
+    assert bool(tx.has_updated(state))
+
+
 def test_zero_weight_micro_batch_may_hold_nan():
     outputs, _ = feed(ga.MultiSteps(optax.sgd(1.0), 2), [NAN, 6.0], weights=[0, 3])
     assert outputs == [0.0, -6.0]

@@ -118,19 +118,29 @@ def microbatched_value_and_grad(
     (``jax.lax.pcast(params, axis, to="varying")``); otherwise ``jax.grad``
     itself sums the gradient over the axis in every micro-batch.
 
-    Example::
+    Example: padded micro-batches of unequal valid counts, weighted by
+    ``weight_fn``, give exactly the big-batch masked mean (add
+    ``key_argnum=`` for a dropout key, ``data_axis=`` on a sharded batch):
 
-        def loss_fn(params, batch, key):
-            logits = apply(params, batch["x"], dropout_key=key)
-            mask = batch["mask"]
-            losses = optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch["y"])
-            return jnp.sum(losses * mask) / jnp.maximum(mask.sum(), 1)
-
-        grad_fn = microbatched_value_and_grad(
-            loss_fn, 8, weight_fn=lambda mb: mb["mask"].sum(),
-            key_argnum=2, data_axis="data")
-        loss, grads = jax.jit(grad_fn)(params, batch, key)
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from gradaccum_jax import microbatched_value_and_grad
+      >>> def loss_fn(params, batch):
+      ...     losses = (batch["x"] @ params["w"] - batch["y"]) ** 2
+      ...     mask = batch["mask"]
+      ...     return jnp.sum(losses * mask) / jnp.maximum(mask.sum(), 1)
+      >>> x = jnp.arange(24.0).reshape(8, 3) / 10
+      >>> batch = {"x": x, "y": jnp.ones(8), "mask": (jnp.arange(8) < 6) * 1.0}
+      >>> grad_fn = microbatched_value_and_grad(
+      ...     loss_fn, 4, weight_fn=lambda micro_batch: micro_batch["mask"].sum()
+      ... )
+      >>> params = {"w": jnp.ones(3)}
+      >>> loss, grads = jax.jit(grad_fn)(params, batch)
+      >>> full_loss, full_grads = jax.value_and_grad(loss_fn)(params, batch)
+      >>> bool(jnp.allclose(loss, full_loss))
+      True
+      >>> bool(jnp.allclose(grads["w"], full_grads["w"]))
+      True
 
     Args:
       loss_fn: ``loss_fn(params, batch, *args, **kwargs)`` returning a scalar

@@ -1,0 +1,150 @@
+"""The README and the docs pages are true as written.
+
+Their ```python blocks run, in order, as one script in a fresh interpreter
+(a new user copying the page top to bottom), and the README's API table
+gives each public name's real signature.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+import gradaccum_jax
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS_PAGES = sorted(
+    [*(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "guides").glob("*.md")]
+)
+RUN_TIMEOUT_S = 240
+
+_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+
+
+def python_blocks(page: pathlib.Path) -> list[str]:
+    return _BLOCK.findall(page.read_text())
+
+
+def run_blocks(page: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Runs the page's python blocks as one script; fails naming the block."""
+    blocks = python_blocks(page)
+    script = tmp_path / "page.py"
+    first_lines = []  # 1-based line of each block's first line in the script
+    text = ""
+    for block in blocks:
+        first_lines.append(text.count("\n") + 1)
+        text += block + "\n"
+    script.write_text(text)
+    env = dict(os.environ)
+    # The page must configure its devices itself, as a reader's shell would
+    # not set the test suite's XLA_FLAGS.
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        cwd=tmp_path,
+        env=env,
+    )
+    if result.returncode != 0:
+        lines = re.findall(
+            rf'File "{re.escape(str(script))}", line (\d+)', result.stderr
+        )
+        block = "?"
+        if lines:
+            line = int(lines[-1])
+            block = str(sum(first <= line for first in first_lines))
+        pytest.fail(
+            f"{page.relative_to(ROOT)}: python block {block} of {len(blocks)} "
+            f"raised:\n{result.stderr[-4000:]}"
+        )
+
+
+def test_readme_python_blocks_run_top_to_bottom(tmp_path):
+    assert len(python_blocks(README)) >= 5
+    run_blocks(README, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in DOCS_PAGES if python_blocks(p)],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_docs_page_python_blocks_run_top_to_bottom(page, tmp_path):
+    run_blocks(page, tmp_path)
+
+
+def test_readme_configures_the_emulated_devices_first():
+    first = python_blocks(README)[0]
+    config = first.index('jax.config.update("jax_num_cpu_devices", 8)')
+    assert first.index("import jax\n") < config
+    assert "jax.numpy" not in first[:config]
+
+
+# --- the API table ---------------------------------------------------------
+
+
+def api_table_entries() -> list[str]:
+    """The backticked names and calls of the first column of the API table."""
+    text = README.read_text()
+    start = text.index("| name | what it is |")
+    rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
+    entries = []
+    for row in rows:
+        first_column = row.split(" | ")[0].removeprefix("| ")
+        entries += re.findall(r"`([^`]+)`", first_column)
+    return entries
+
+
+def written_signature(entry: str) -> tuple[str, list[tuple[str, str, str | None]]]:
+    """``name(args)`` as written: (name, [(param, kind, default source)])."""
+    function = ast.parse(f"def {entry}: pass").body[0]
+    args = function.args
+    params = [(a.arg, "POSITIONAL_OR_KEYWORD") for a in args.args]
+    defaults = [None] * (len(args.args) - len(args.defaults)) + args.defaults
+    params = [(a, k, d) for (a, k), d in zip(params, defaults, strict=True)]
+    params += [
+        (a.arg, "KEYWORD_ONLY", d)
+        for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    ]
+    return function.name, [
+        (a, k, None if d is None else ast.unparse(d)) for a, k, d in params
+    ]
+
+
+def test_api_table_names_every_public_name():
+    names = {re.match(r"\w+", entry).group() for entry in api_table_entries()}
+    assert sorted(set(gradaccum_jax.__all__) - names) == []
+    assert sorted(names - set(gradaccum_jax.__all__)) == []
+
+
+@pytest.mark.parametrize(
+    "entry", [e for e in api_table_entries() if "(" in e], ids=lambda e: e[:40]
+)
+def test_api_table_signature_is_the_real_one(entry):
+    name, written = written_signature(entry)
+    real = inspect.signature(getattr(gradaccum_jax, name)).parameters.values()
+    assert [(p.name, p.kind.name) for p in real] == [(a, k) for a, k, _ in written]
+    for param, (_, _, default) in zip(real, written, strict=True):
+        if param.default is inspect.Parameter.empty:
+            assert default is None, f"{name}: `{param.name}` has no default"
+        else:
+            assert default is not None, f"{name}: `{param.name}` has a default"
+            value = eval(default, {"jnp": jnp})  # noqa: S307 - the README's text
+            assert value is param.default or value == param.default, (
+                f"{name}: `{param.name}` defaults to {param.default!r}, the "
+                f"README says {default}"
+            )
