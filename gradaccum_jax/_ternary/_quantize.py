@@ -29,10 +29,6 @@ from gradaccum_jax._ternary import _random
 # minimizes the L2 error of a ternary code for uniform or Gaussian values.
 _TWN_THRESHOLD = 0.7
 
-# Sums of (x * _SMALL)**2 stay finite for every finite float32 x: 2**-96
-# maps float32's largest value to ~4e9, whose square is ~2e19.
-_SMALL = 2.0**-96
-
 
 def validate_clip_sigma(value: Any) -> float | None:
     """Validates ``clip_sigma``: None (no clipping) or a positive finite float."""
@@ -52,25 +48,18 @@ def max_abs_and_bound(
     it is not 0 for a constant non-zero tensor (which would otherwise be
     clipped to all zeros).
 
-    One pass over ``x`` (XLA fuses the reductions): the maximum and two sums
-    of squares. The sum of ``(x * 2**-96)**2`` is finite for every finite
-    ``x`` and NaN or inf otherwise, so it tells whether ``x`` is finite (the
-    maximum cannot: XLA's CPU max reduction drops NaN); where the plain sum
-    of squares overflows (|x| > ~1e15), it also gives the rms.
+    Two reductions, max|x| and sum(x**2), and nothing else: an infinity in
+    ``x`` makes the maximum infinite, a NaN makes the sum NaN (XLA's CPU max
+    reduction may drop NaN; a sum cannot), while a finite ``x`` whose sum of
+    squares overflows float32 (rms above ~1.8e19 / sqrt(size)) gives a sum
+    of +inf, not NaN: such a tensor is still finite, merely not clipped.
     """
     max_abs = jnp.max(jnp.abs(x), initial=0.0)
-    sum_small = jnp.sum(jnp.square(x * _SMALL))
-    finite = jnp.isfinite(sum_small)
+    sum_sq = jnp.sum(jnp.square(x))
+    finite = jnp.isfinite(max_abs) & ~jnp.isnan(sum_sq)
     if clip_sigma is None:
         return max_abs, jnp.float32(jnp.inf), finite
-    size = max(x.size, 1)
-    sum_sq = jnp.sum(jnp.square(x))
-    rms = jnp.where(
-        jnp.isfinite(sum_sq),
-        jnp.sqrt(sum_sq / size),
-        jnp.sqrt(sum_small / size) / _SMALL,
-    )
-    return max_abs, clip_sigma * rms, finite
+    return max_abs, clip_sigma * jnp.sqrt(sum_sq / max(x.size, 1)), finite
 
 
 def clip(x: jax.Array, bound: jax.Array) -> jax.Array:
