@@ -512,3 +512,55 @@ def test_bad_inputs_name_the_leaf():
         jax.pmap(lambda g, s: average.update(g, s, weight=jnp.ones(2)), axis_name="i")(
             _random_like(PARAMS, 0, (NUM_DEVICES,)), _replicate(average.init(PARAMS))
         )
+
+
+def test_packed_psum_digits_per_word_and_extremes():
+    # base 2n + 1: 13 codes per word for 2 devices, 10 for 4, 7 for 8.
+    assert [_device_mean._digits_per_word(n) for n in (1, 2, 4, 8, 16)] == [
+        20,
+        13,
+        10,
+        7,
+        6,
+    ]
+    for num_devices in (1, 2, 3, 16):
+        for fill in (-1, 1):  # every digit at its extreme: no carry, no borrow
+            codes = jnp.full((num_devices, 29), fill, jnp.int8)
+            sums = jax.vmap(
+                lambda c, n=num_devices: _device_mean.packed_psum(c, "i", n),
+                axis_name="i",
+            )(codes)
+            np.testing.assert_array_equal(sums, fill * num_devices)
+
+
+def test_weight_zero_device_with_nan_gradients_contributes_nothing():
+    grads = jax.device_get(_random_like(PARAMS, 5, (NUM_DEVICES,)))
+    weights = jnp.arange(NUM_DEVICES, dtype=jnp.float32).at[3].set(0.0)
+    nan_grads = jax.tree.map(lambda g: g.copy(), grads)
+    for leaf in nan_grads.values():
+        leaf[3] = np.nan
+    state = _replicate(AVERAGE.init(PARAMS))
+    step = jax.pmap(lambda g, s, w: AVERAGE.update(g, s, weight=w), axis_name="i")
+    clean_mean, clean_state = step(grads, state, weights)
+    nan_mean, nan_state = step(nan_grads, state, weights)
+    for name in PARAMS:
+        assert np.all(np.isfinite(nan_mean[name])), name
+        np.testing.assert_array_equal(nan_mean[name], clean_mean[name])
+    chex.assert_trees_all_equal(nan_state, clean_state)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: ga.ternarize(0),
+        lambda: ga.ternary_average_across_devices("i", 0),
+    ],
+    ids=["ternarize", "device_mean"],
+)
+def test_a_leaf_grown_past_min_size_is_a_clear_error(build):
+    transform = build()
+    state = transform.init({"b": jnp.zeros((10,))})
+    with pytest.raises(ValueError, match=r"updates leaf \['b'\] has shape \(300,\)"):
+        jax.vmap(transform.update, in_axes=(0, None), axis_name="i")(
+            {"b": jnp.zeros((2, 300))}, state
+        )

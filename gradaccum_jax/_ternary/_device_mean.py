@@ -113,18 +113,19 @@ def ternary_average_across_devices(
     (``p_d = 1 / n``, or ``weight_d / sum(weight)`` when ``weight=`` is
     passed), clips it (TernGrad, Wen et al., NeurIPS 2017), and the devices
     agree on one scale per leaf, ``s = pmax(max|clipped x_d|)``. Each device
-    then draws TernGrad's unbiased codes against ``s`` with its own key; the
+    then draws TernGrad's unbiased codes against ``s`` with its own bits; the
     codes are summed over devices by one integer psum, and the result
     ``sum_d codes_d * s`` is bitwise identical on every device. Its
     expectation is the (weighted) mean of the clipped inputs: exactly the
     mean with ``clip_sigma=None``.
 
-    On the wire: one uint32 word carries several devices' ternary codes as
-    bit fields wide enough that the psum cannot carry between them (6 codes
-    per word with 8 devices, i.e. 1/6 of a float32 psum; at most 1 byte per
-    code up to 127 devices, more beyond), plus one float32 pmax per
-    compressed leaf for the scales. Leaves smaller than ``min_size`` are
-    averaged in float32.
+    On the wire: one uint32 word carries several of a device's ternary
+    codes as base-(2n + 1) digits, which the psum cannot carry between (7
+    codes per word with 8 devices, i.e. 1/7 of a float32 psum; see
+    `packed_psum`), plus one float32 pmax for all compressed leaves' scales
+    and one float32 psum for the leaves smaller than ``min_size`` (averaged
+    exactly) and the weight: three all-reduces per step in all. A device
+    whose weight is 0 contributes nothing, even NaN gradients.
 
     With ``error_feedback`` (Karimireddy et al., ICML 2019) each device keeps
     its own residual in float32 for the next step: its clipping error
@@ -139,9 +140,10 @@ def ternary_average_across_devices(
 
     Args:
       axis_name: the pmap / shard_map axis (or tuple of axes) to average over.
-      seed: an integer in [0, 2**32 - 1]; every device starts from the same key
-        and folds in its axis index, so the rounding noise is independent
-        across devices yet the state is identical everywhere.
+      seed: an integer in [0, 2**32 - 1]; the random bits hash the seed, the
+        step, the leaf, the device's axis index and the element (see
+        ``_ternary._random``), so the rounding noise is independent across
+        devices yet the state is identical everywhere.
       error_feedback: keep each device's clipping error for the next step.
       clip_sigma: TernGrad's clipping in standard deviations of each
         device's share; None disables it. Must be > 0.

@@ -16,11 +16,11 @@ integer operations per element instead of threefry's 20 rounds.
 - `bits` hashes each element index ``i`` as ``mix((i ^ k0) * PHI + k1)``,
   with ``mix`` Wellons' "lowbias32" (two multiply / xor-shift rounds, the
   32-bit integer hash with the lowest measured avalanche bias of its
-  kind; https://nullprogram.com/blog/2018/07/31/). Keying both before
-  (``^ k0``) and inside (``+ k1``) the multiply means no two streams are a
-  shift of one another: for any indices ``i, j`` and distinct streams the
-  hash inputs differ by a stream-dependent amount, unlike a single additive
-  key where stream ``k + d`` would replay stream ``k`` shifted by ``d``.
+  kind; https://nullprogram.com/blog/2018/07/31/). Within a stream the
+  hash inputs are distinct, so draws never repeat; two streams feed the
+  hash a common input only at index pairs fixed by both key words, which
+  for n elements happens with probability ~n / 2**32 per pair of streams,
+  at scattered indices (the xor with ``k0``), never for whole runs.
 
 How many bits rounding uses, and the bias that leaves: a Bernoulli(p)
 draw compares the top 24 bits with ``floor(p * 2**24)`` (`bernoulli`), so
