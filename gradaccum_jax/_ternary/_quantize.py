@@ -92,7 +92,9 @@ def code_thresholds(x: jax.Array, scale: jax.Array, bound: jax.Array) -> jax.Arr
     )
     cap = jnp.minimum(bound * per_unit, _random.PROBABILITY_ONE)
     # = _random.threshold(p), with 2**24 / scale folded into one multiply.
-    return jnp.minimum(jnp.abs(x) * per_unit, cap).astype(jnp.int32)
+    # |x * per_unit| rather than |x| * per_unit: XLA would share |x| with the
+    # max|x| reduction by writing it out, a whole extra pass over x.
+    return jnp.minimum(jnp.abs(x * per_unit), cap).astype(jnp.int32)
 
 
 def codes_from_bits(
