@@ -298,11 +298,11 @@ def test_wire_bytes_from_compiled_hlo(weighted):
     float_bytes = ga.all_reduce_nbytes(float_psum.lower(grads).compile())
     ternary_bytes = ga.all_reduce_nbytes(compiled)
     assert float_bytes == 4 * 4810
-    # u32[677] codes (4736 of them, 7 base-17 digits per word) + f32[74]
-    # biases + f32[2] scales (+ the weight).
-    assert ternary_bytes == 677 * 4 + 74 * 4 + 2 * 4 + 4 * weighted
+    # u32[586 + 92] codes (4096 + 640, 7 base-17 digits per word, each leaf
+    # padded on its own) + f32[74] biases + f32[2] scales (+ the weight).
+    assert ternary_bytes == 678 * 4 + 74 * 4 + 2 * 4 + 4 * weighted
     assert ternary_bytes <= float_bytes / 4
-    assert "u32[677]" in compiled.as_text()
+    assert "u32[678]" in compiled.as_text()
     # One all-reduce for the exact leaves (and the weight), one pmax for the
     # scales, one psum for the codes.
     assert compiled.as_text().count(" all-reduce(") == 3
