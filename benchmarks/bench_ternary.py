@@ -16,7 +16,17 @@ Measured, not computed from a formula:
   and without clipping. Test accuracy is the mean (and min..max) over seeds
   of initialization and data order.
 
-Run: ``python benchmarks/bench_ternary.py [--seeds 4] [--epochs 30]``
+- compute time (first table): at 4M and 16M float32 params (4 square
+  leaves), the median time of a ``ternary_accumulate`` micro-step and
+  emitting step against float32 ``MultiSteps`` (sgd inside, so the
+  accumulator dominates), ``ternarize`` against ``optax.identity``, and
+  ``ternary_average_across_devices`` against ``average_across_devices`` on
+  8 emulated CPU devices (each holding 1/8 of the params). Jitted, state
+  donated; the two sides take turns, so load on a shared machine falls on
+  both alike.
+
+Run: ``python benchmarks/bench_ternary.py [--seeds 4] [--epochs 30]
+[--repeats 5] [--timing-only]``
 """
 
 from __future__ import annotations
@@ -162,20 +172,140 @@ def accumulator_bytes(opt, params):
     return ga.state_nbytes(state.acc_grads)
 
 
-def micro_step_ms(opt, params, every_k, windows=2):
-    """Median time of one ``update`` call (state donated), over whole windows."""
-    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
-    grads = jax.tree.map(
-        lambda a: jax.random.normal(jax.random.key(1), a.shape, a.dtype), params
+def _random_grads(params, seed=1):
+    return jax.tree.map(
+        lambda a: jax.random.normal(jax.random.key(seed), a.shape, a.dtype), params
     )
-    update = jax.jit(lambda g, s: opt.update(g, s, params)[1], donate_argnums=1)
-    state = update(grads, opt.init(params))  # compile
-    times = []
-    for _ in range(windows * every_k):
-        begin = time.perf_counter()
-        state = jax.block_until_ready(update(grads, state))
-        times.append(time.perf_counter() - begin)
+
+
+def _median_ms(times):
     return 1e3 * float(np.median(times))
+
+
+def accumulation_ms(opts, params, every_k, windows):
+    """Median ms of a micro-step and of an emitting step, per optimizer.
+
+    ``update`` is jitted with the state donated (as a training loop would);
+    the optimizers take turns window by window, so that load on a shared
+    machine falls on all of them alike.
+    """
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
+    grads = _random_grads(params)
+    runs = {}
+    for name, opt in opts.items():
+        update = jax.jit(
+            lambda g, s, o=opt: o.update(g, s, params)[1], donate_argnums=1
+        )
+        state = opt.init(params)
+        for _ in range(every_k):  # compile, and warm both branches
+            state = jax.block_until_ready(update(grads, state))
+        runs[name] = [update, state, [], []]
+    for _ in range(windows):
+        for run in runs.values():
+            update = run[0]
+            for call in range(every_k):
+                begin = time.perf_counter()
+                run[1] = jax.block_until_ready(update(grads, run[1]))
+                run[3 if call == every_k - 1 else 2].append(time.perf_counter() - begin)
+    return {
+        name: (_median_ms(run[2]), _median_ms(run[3])) for name, run in runs.items()
+    }
+
+
+def calls_ms(fns, repeats):
+    """Median ms of each ``fn()`` (already jitted), taking turns."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            begin = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - begin)
+    return {name: _median_ms(t) for name, t in times.items()}
+
+
+def transform_ms(transforms, params, repeats, devices=None):
+    """Median ms of one ``update`` of each transform (state donated).
+
+    With ``devices``, the update is pmapped over that many emulated devices
+    (each holding ``params``-shaped updates), timing the whole step.
+    """
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
+    fns = {}
+    for name, tx in transforms.items():
+        if devices is None:
+            grads, state = _random_grads(params), tx.init(params)
+            update = jax.jit(tx.update, donate_argnums=1)
+        else:
+            grads = jax.tree.map(
+                lambda a: jnp.stack([_random_grads(a, d) for d in range(devices)]),
+                params,
+            )
+            state = jax.tree.map(
+                lambda a: jnp.broadcast_to(a, (devices, *a.shape)), tx.init(params)
+            )
+            update = jax.pmap(tx.update, axis_name="i", donate_argnums=1)
+        box = [state]
+
+        def call(update=update, grads=grads, box=box):
+            updates, box[0] = update(grads, box[0])
+            return updates
+
+        fns[name] = call
+    return calls_ms(fns, repeats)
+
+
+def timing_rows(sizes, every_k, repeats):
+    """Compute time, ternary against its float32 counterpart, per model size."""
+    sgd = optax.sgd(0.1)  # a cheap inner optimizer: the accumulator dominates
+    rows = []
+    for size_name, params in sizes.items():
+        acc = accumulation_ms(
+            {
+                "float32": ga.MultiSteps(sgd, every_k).gradient_transformation(),
+                "ternary": ga.ternary_accumulate(sgd, every_k),
+            },
+            params,
+            every_k,
+            windows=repeats,
+        )
+        one = transform_ms(
+            {"float32": optax.identity(), "ternary": ga.ternarize(0)},
+            params,
+            repeats * every_k,
+        )
+        mean = transform_ms(
+            {
+                "float32": ga.average_across_devices("i"),
+                "ternary": ga.ternary_average_across_devices("i", 0),
+            },
+            jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(
+                    (a.shape[0] // NUM_DEVICES, *a.shape[1:]), a.dtype
+                ),
+                params,
+            ),
+            repeats * every_k,
+            devices=NUM_DEVICES,
+        )
+        for what, pair in (
+            (
+                f"accumulate micro-step (k={every_k})",
+                (acc["float32"][0], acc["ternary"][0]),
+            ),
+            (
+                f"accumulate emitting step (k={every_k})",
+                (acc["float32"][1], acc["ternary"][1]),
+            ),
+            ("ternarize vs identity", (one["float32"], one["ternary"])),
+            (
+                f"device mean, {NUM_DEVICES} emulated devices",
+                (mean["float32"], mean["ternary"]),
+            ),
+        ):
+            rows.append((size_name, what, *pair))
+    return rows
 
 
 def float_pmean():
@@ -194,6 +324,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed windows (accumulation) or 8x calls (the others) per size",
+    )
+    parser.add_argument(
+        "--timing-only", action="store_true", help="skip accuracy and bytes"
+    )
     _headline.add_argument(parser)
     args = parser.parse_args()
     seeds = list(range(args.seeds))
@@ -201,7 +340,24 @@ def main():
     data = tuple(jnp.asarray(a) for a in load_data())
     mlp = jax.eval_shape(init_mlp, jax.random.key(0))
     large = {f"w{i}": jax.ShapeDtypeStruct((1024, 1024), jnp.float32) for i in range(4)}
+    huge = {f"w{i}": jax.ShapeDtypeStruct((2048, 2048), jnp.float32) for i in range(4)}
     every_k = NUM_DEVICES
+    timings = timing_rows({"4M": large, "16M": huge}, every_k, args.repeats)
+    print(
+        f"\nCompute time, ms (median; jax {jax.__version__}, "
+        f"{jax.device_count()} CPU devices; 4 leaves of 1024^2 or 2048^2; the "
+        f"device mean holds 1/{NUM_DEVICES} of them per device; accumulation "
+        "with sgd as the inner optimizer)\n"
+    )
+    print("| params | step | float32 | ternary | ratio |")
+    print("|---|---|---|---|---|")
+    for size_name, what, reference, ternary_time in timings:
+        print(
+            f"| {size_name} | {what} | {reference:.2f} | {ternary_time:.2f} | "
+            f"{ternary_time / reference:.2f}x |"
+        )
+    if args.timing_only:
+        return
 
     def ternary(**kwargs):
         return ga.ternary_average_across_devices("i", 0, **kwargs)
@@ -241,14 +397,12 @@ def main():
                 f"{wire['mlp']} ({wire['mlp'] / float_wire['mlp']:.3f}x)",
                 f"{wire['large'] / float_wire['large']:.3f}x",
                 "",
-                "",
                 summary(accuracies),
             )
         )
     float_acc = None
     for name, opt in accumulating.items():
         acc_mlp, acc_large = accumulator_bytes(opt, mlp), accumulator_bytes(opt, large)
-        step_ms = micro_step_ms(opt, large, every_k)
         if float_acc is None:
             float_acc = (acc_mlp, acc_large)
         accuracies = train_accumulating(opt, data, seeds, args.epochs, every_k)
@@ -261,7 +415,6 @@ def main():
                 "",
                 f"{acc_mlp} ({acc_mlp / float_acc[0]:.3f}x); "
                 f"4M: {acc_large / float_acc[1]:.3f}x",
-                f"{step_ms:.1f}",
                 summary(accuracies),
             )
         )
@@ -278,7 +431,6 @@ def main():
         "wire bytes/step, MLP",
         "wire, 4M params",
         "accumulator bytes",
-        "micro-step ms, 4M params",
         "test acc % mean (min..max)",
     )
     print("| " + " | ".join(header) + " |")

@@ -1,7 +1,8 @@
 """Ternary gradient compression, one module per job.
 
 - `_quantize`: the quantizers (TernGrad, TWN) and their building blocks;
-- `_random`: checkpointable PRNG keys, one per leaf and step;
+- `_random`: counter-based random bits, a hash of (seed, step, leaf,
+  device, element);
 - `_leaves`: which leaves are compressed, and the tree plumbing;
 - `_error_feedback`: the residual state shared by the next two;
 - `_ternarize`: `ternarize`, compression of each update;

@@ -16,21 +16,20 @@ from gradaccum_jax._accumulation import (
     MultiSteps,
     ShouldSkipUpdateFunction,
 )
+from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._leaves import (
     DEFAULT_MIN_SIZE,
     common_config,
     is_compressed,
     is_masked,
-    unzip,
 )
 from gradaccum_jax._ternary._quantize import (
-    clip_to_sigma,
-    codes_from_uniform,
+    clipped_scale,
+    codes_from_bits,
+    max_abs_and_bound,
     poison_if_nonfinite,
-    stochastic_round,
     ternary_dequantize,
 )
-from gradaccum_jax._ternary._random import seed_key, split_per_leaf
 from gradaccum_jax._window import WindowAccumulator
 
 # Largest every_k each code-sum dtype can hold: a window adds at most one
@@ -42,7 +41,9 @@ class TernaryAccumulatorState(NamedTuple):
     """One window of `ternary_accumulate`, stored in ``MultiStepsState.acc_grads``.
 
     Attributes:
-      key: raw uint32 PRNG key data, split on every micro-step; kept by reset.
+      key: ``uint32[2] = (seed, micro-step counter)``, the counter of the
+        random bits (see ``_ternary._random``), advanced on every micro-step
+        that adds; kept by reset.
       code_sums: per leaf, the window's sum of ternary codes (int8, or int16
         when every_k > 127); for leaves smaller than ``min_size``, the exact
         float32 weighted sum instead.
@@ -101,50 +102,73 @@ def _ternary_window_accumulator(
             return optax.MaskedNode()
 
         return TernaryAccumulatorState(
-            seed_key(seed),
+            _random.seed_state(seed),
             jax.tree.map(code_sum_init, params),
             jax.tree.map(scale_init, params),
         )
+
+    limit = int(jnp.iinfo(code_sum_dtype).max)
+    # Fraction bits of the fixed-point re-rounding: |S| * 2**bits must fit
+    # int32 (24 for int8 sums, 16 for int16 ones).
+    fraction_bits = min(_random.PROBABILITY_BITS, 31 - limit.bit_length())
 
     def add(acc, grads, weight):
         _checks.floating_leaves(grads, "ternary_accumulate: gradients")
         _checks.same_structure(
             grads, acc.code_sums, "ternary_accumulate: gradients", "the parameters"
         )
-        key, leaf_keys = split_per_leaf(acc.key, grads)
         weight = jnp.asarray(weight, jnp.float32)
+        leaves, treedef = jax.tree.flatten(grads)
+        code_sums = jax.tree.leaves(acc.code_sums)
+        scales = jax.tree.leaves(acc.scales, is_leaf=is_masked)
 
-        def add_leaf(grad, code_sum, scale, leaf_key):
+        def add_leaf(index, grad, code_sum, scale):
             value = weight * grad.astype(jnp.float32)
             if is_masked(scale):
                 return code_sum + value, scale
-            value = clip_to_sigma(value, clip_sigma)
+            max_abs, bound, finite = max_abs_and_bound(value, clip_sigma)
             new_scale = poison_if_nonfinite(
-                value, jnp.maximum(scale, jnp.max(jnp.abs(value)))
+                finite, jnp.maximum(scale, clipped_scale(max_abs, bound))
             )
+            random_bits = _random.bits(_random.stream(acc.key, index), value.shape)
+            kept = _rescale(code_sum, scale, new_scale, random_bits)
+            # One draw serves both roundings: each stays unbiased on its own,
+            # and mirroring the bits where v > 0 makes the covariance of the
+            # two terms <= 0 for either sign of v (the re-rounding adds +1 for
+            # small bits, the code +1 for large ones or -1 for small ones),
+            # so sharing the draw can only lower the variance of their sum.
+            mirrored = jnp.where(value > 0, ~random_bits, random_bits)
+            codes = codes_from_bits(value, new_scale, bound, mirrored)
+            new_sum = jnp.clip(kept + codes.astype(jnp.int32), -limit, limit)
+            # A NaN scale marks the window as poisoned until reset.
+            new_sum = jnp.where(jnp.isfinite(new_scale), new_sum, 0)
+            return new_sum.astype(code_sum_dtype), new_scale
+
+        def _rescale(code_sum, scale, new_scale, random_bits):
+            """round(S * s / s') in int32, unbiased: fixed point, exact at s = s'."""
             ratio = jnp.where(
                 new_scale > 0, scale / jnp.where(new_scale > 0, new_scale, 1), 0
             )
-            # One draw serves both roundings: random bits dominate the cost of
-            # a micro-step on CPU. Each rounding stays unbiased on its own, and
-            # mirroring the draw where v > 0 makes the covariance of the two
-            # terms <= 0 for either sign of v (the re-rounding adds +1 for
-            # small draws, the code +1 for large ones or -1 for small ones),
-            # so sharing the draw can only lower the variance of their sum.
-            uniform = jax.random.uniform(leaf_key, value.shape)
-            kept = stochastic_round(code_sum.astype(jnp.float32) * ratio, uniform)
-            mirrored = jnp.where(value > 0, 1.0 - uniform, uniform)
-            new_sum = kept + codes_from_uniform(value, new_scale, mirrored)
-            limit = jnp.iinfo(code_sum_dtype).max
-            new_sum = jnp.clip(new_sum, -limit, limit).astype(code_sum_dtype)
-            # A NaN scale marks the window as poisoned until reset.
-            new_sum = jnp.where(jnp.isfinite(new_scale), new_sum, 0).astype(
-                code_sum_dtype
-            )
-            return new_sum, new_scale
+            # ratio <= 1 in fixed point; rounding it to 2**-fraction_bits is
+            # the one deterministic rounding (at most |S| * 2**-25 codes).
+            ratio = jnp.round(jnp.minimum(ratio, 1) * 2**fraction_bits)
+            scaled = code_sum.astype(jnp.int32) * ratio.astype(jnp.int32)
+            fraction = scaled & ((1 << fraction_bits) - 1)
+            draw = (random_bits >> (32 - fraction_bits)).astype(jnp.int32)
+            return (scaled >> fraction_bits) + (draw < fraction).astype(jnp.int32)
 
-        pairs = jax.tree.map(add_leaf, grads, acc.code_sums, acc.scales, leaf_keys)
-        new_acc = TernaryAccumulatorState(key, *unzip(grads, pairs))
+        pairs = [
+            add_leaf(i, *args)
+            for i, args in enumerate(zip(leaves, code_sums, scales, strict=True))
+        ]
+        new_acc = TernaryAccumulatorState(
+            _random.advance(acc.key),
+            jax.tree.unflatten(treedef, [pair[0] for pair in pairs]),
+            jax.tree.unflatten(
+                jax.tree.structure(acc.scales, is_leaf=is_masked),
+                [pair[1] for pair in pairs],
+            ),
+        )
         # A zero weight (a skipped micro-batch) must change nothing, even if
         # its gradients hold NaN (0 * NaN is NaN): a select, not a multiply.
         return jax.tree.map(

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from gradaccum_jax import _checks, _weights
+from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._error_feedback import (
     TernaryState,
     keeps_residual,
@@ -23,51 +24,61 @@ from gradaccum_jax._ternary._leaves import (
     is_masked,
 )
 from gradaccum_jax._ternary._quantize import (
-    clip_to_sigma,
+    clip,
+    clipped_scale,
+    max_abs_and_bound,
     stochastic_codes,
     ternary_dequantize,
 )
-from gradaccum_jax._ternary._random import seed_key, split_per_leaf
+
+
+def _digits_per_word(num_devices: int) -> int:
+    """How many base-(2n + 1) digits a uint32 word holds."""
+    base, count = 2 * num_devices + 1, 0
+    while base ** (count + 1) < 2**32:
+        count += 1
+    return count
 
 
 def packed_psum(codes: jax.Array, axis: Any, num_devices: int) -> jax.Array:
     """Sums flat int8 ternary codes over ``axis``; returns the int32 sums.
 
     Each device's code c in {-1, 0, 1} is sent as the digit c + 1 in {0, 1, 2}
-    in a bit field of a uint32 word. The sum over n devices of one field is
-    at most 2n, so fields of ``bit_length(2n)`` bits never carry into each
-    other and one integer psum adds all fields at once, exactly. With 8
-    devices that is 6 codes per 4 bytes (5.3 bits per code, 2/3 of an int8
-    psum); up to 127 devices it is never more than the 8 bits of an int8
-    psum, which would overflow beyond 127 devices anyway.
+    of a base ``B = 2n + 1`` number held in a uint32 word. Over n devices one
+    digit sums to at most 2n < B, so digits never carry into each other and
+    one integer psum adds all of them at once, exactly; a word holds the k
+    digits with ``B**k < 2**32``. With 8 devices (base 17) that is 7 codes
+    per 4 bytes (4.6 bits per code; bit fields of bit_length(2n) bits would
+    hold 6), with 2 devices 13 (bit fields: 10), with 4 devices 10 (8).
     """
-    bits = (2 * num_devices).bit_length()
-    per_word = 32 // bits
-    if per_word < 2:  # more than 2**15 devices: plain int32 sums.
+    per_word = _digits_per_word(num_devices)
+    if per_word < 2:  # more than 32767 devices: plain int32 sums.
         return jax.lax.psum(codes.astype(jnp.int32), axis)
-    size = codes.shape[0]
-    digits = jnp.pad(codes, (0, -size % per_word)).astype(jnp.int32) + 1
-    digits = digits.astype(jnp.uint32).reshape(-1, per_word)
-    shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
-    # The fields are disjoint, so summing them equals OR-ing them.
-    words = jnp.sum(digits << shifts, axis=1, dtype=jnp.uint32)
-    words = jax.lax.psum(words, axis)
-    fields = (words[:, None] >> shifts) & jnp.uint32((1 << bits) - 1)
-    return fields.astype(jnp.int32).reshape(-1)[:size] - num_devices
+    words = jax.lax.psum(pack_codes(codes, num_devices), axis)
+    return unpack_sums(words, codes.shape[0], num_devices)
 
 
-def _device_share(
-    weight: Any, axis: Any, num_devices: int, caller: str
-) -> tuple[jax.Array, jax.Array]:
-    """This device's share of a (weighted) mean, and whether any weight exists.
+def pack_codes(codes: jax.Array, num_devices: int) -> jax.Array:
+    """Flat int8 codes as base-(2n + 1) digits, `_digits_per_word` per uint32."""
+    per_word, base = _digits_per_word(num_devices), 2 * num_devices + 1
+    digits = (jnp.pad(codes, (0, -codes.shape[0] % per_word)) + 1).astype(jnp.uint32)
+    digits = digits.reshape(-1, per_word)
+    # Horner's rule, unrolled: an elementwise pass, not a reduction over 7.
+    words = digits[:, per_word - 1]
+    for j in range(per_word - 2, -1, -1):
+        words = words * jnp.uint32(base) + digits[:, j]
+    return words
 
-    ``1 / n`` without a weight; ``weight / psum(weight)`` with one, and 0
-    (with ``has_weight`` False) when the total weight is 0.
-    """
-    if weight is None:
-        return jnp.float32(1.0 / num_devices), jnp.bool_(True)
-    weight = _weights.scalar_weight(weight, caller)
-    return _weights.share(weight, jax.lax.psum(weight, axis))
+
+def unpack_sums(words: jax.Array, size: int, num_devices: int) -> jax.Array:
+    """The int32 code sums held in psum-ed `pack_codes` words."""
+    per_word, base = _digits_per_word(num_devices), 2 * num_devices + 1
+    fields = []
+    for _ in range(per_word):
+        fields.append(words % jnp.uint32(base))
+        words = words // jnp.uint32(base)
+    sums = jnp.stack(fields, axis=1).astype(jnp.int32) - num_devices
+    return sums.reshape(-1)[:size]
 
 
 def _pmax_stacked(values: list[jax.Array], axis: Any) -> list[jax.Array]:
@@ -77,17 +88,42 @@ def _pmax_stacked(values: list[jax.Array], axis: Any) -> list[jax.Array]:
     return list(jax.lax.pmax(jnp.stack(values), axis))
 
 
+def _weighted(weight: jax.Array, leaf: jax.Array) -> jax.Array:
+    """``weight * leaf`` in float32, 0 where the weight is 0 (even for NaN)."""
+    return jnp.where(weight != 0, weight * leaf.astype(jnp.float32), 0.0)
+
+
+def _psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
+    """psum of several arrays in one (variadic) all-reduce."""
+    return list(jax.lax.psum(values, axis)) if values else []
+
+
 def _psum_codes(
     codes: dict[int, jax.Array], axis: Any, num_devices: int
 ) -> dict[int, jax.Array]:
-    """Sums each leaf's int8 codes over devices in one packed psum."""
+    """Sums each leaf's int8 codes over devices in one packed psum.
+
+    Each leaf is packed on its own and the words are concatenated (1/7 of
+    the codes' bytes with 8 devices), so that computing a code never has
+    to find which leaf an element of a concatenation belongs to.
+    """
     if not codes:
         return {}
-    flat = jnp.concatenate([c.reshape(-1) for c in codes.values()])
-    sums = packed_psum(flat, axis, num_devices)
-    offsets = np.cumsum([0] + [c.size for c in codes.values()])
+    if _digits_per_word(num_devices) < 2:
+        flat = jnp.concatenate([c.reshape(-1) for c in codes.values()])
+        sums = jax.lax.psum(flat.astype(jnp.int32), axis)
+        offsets = np.cumsum([0] + [c.size for c in codes.values()])
+        return {
+            i: sums[start:stop].reshape(c.shape)
+            for (i, c), start, stop in zip(
+                codes.items(), offsets[:-1], offsets[1:], strict=True
+            )
+        }
+    packed = [pack_codes(c.reshape(-1), num_devices) for c in codes.values()]
+    words = jax.lax.psum(jnp.concatenate(packed), axis)
+    offsets = np.cumsum([0] + [w.shape[0] for w in packed])
     return {
-        i: sums[start:stop].reshape(c.shape)
+        i: unpack_sums(words[start:stop], c.size, num_devices).reshape(c.shape)
         for (i, c), start, stop in zip(
             codes.items(), offsets[:-1], offsets[1:], strict=True
         )
@@ -109,18 +145,19 @@ def ternary_average_across_devices(
     (``p_d = 1 / n``, or ``weight_d / sum(weight)`` when ``weight=`` is
     passed), clips it (TernGrad, Wen et al., NeurIPS 2017), and the devices
     agree on one scale per leaf, ``s = pmax(max|clipped x_d|)``. Each device
-    then draws TernGrad's unbiased codes against ``s`` with its own key; the
+    then draws TernGrad's unbiased codes against ``s`` with its own bits; the
     codes are summed over devices by one integer psum, and the result
     ``sum_d codes_d * s`` is bitwise identical on every device. Its
     expectation is the (weighted) mean of the clipped inputs: exactly the
     mean with ``clip_sigma=None``.
 
-    On the wire: one uint32 word carries several devices' ternary codes as
-    bit fields wide enough that the psum cannot carry between them (6 codes
-    per word with 8 devices, i.e. 1/6 of a float32 psum; at most 1 byte per
-    code up to 127 devices, more beyond), plus one float32 pmax per
-    compressed leaf for the scales. Leaves smaller than ``min_size`` are
-    averaged in float32.
+    On the wire: one uint32 word carries several of a device's ternary
+    codes as base-(2n + 1) digits, which the psum cannot carry between (7
+    codes per word with 8 devices, i.e. 1/7 of a float32 psum; see
+    `packed_psum`), plus one float32 pmax for all compressed leaves' scales
+    and one float32 psum for the leaves smaller than ``min_size`` (averaged
+    exactly) and the weight: three all-reduces per step in all. A device
+    whose weight is 0 contributes nothing, even NaN gradients.
 
     With ``error_feedback`` (Karimireddy et al., ICML 2019) each device keeps
     its own residual in float32 for the next step: its clipping error
@@ -135,9 +172,10 @@ def ternary_average_across_devices(
 
     Args:
       axis_name: the pmap / shard_map axis (or tuple of axes) to average over.
-      seed: an integer in [0, 2**32 - 1]; every device starts from the same key
-        and folds in its axis index, so the rounding noise is independent
-        across devices yet the state is identical everywhere.
+      seed: an integer in [0, 2**32 - 1]; the random bits hash the seed, the
+        step, the leaf, the device's axis index and the element (see
+        ``_ternary._random``), so the rounding noise is independent across
+        devices yet the state is identical everywhere.
       error_feedback: keep each device's clipping error for the next step.
       clip_sigma: TernGrad's clipping in standard deviations of each
         device's share; None disables it. Must be > 0.
@@ -157,49 +195,57 @@ def ternary_average_across_devices(
 
     def init_fn(params):
         return TernaryState(
-            seed_key(seed), residual_init(params, min_size, keep_residual)
+            _random.seed_state(seed), residual_init(params, min_size, keep_residual)
         )
 
     def update_fn(updates, state, params=None, *, weight=None, **extra_args):
         del params, extra_args
-        check_updates(updates, state.residual, caller)
+        check_updates(updates, state.residual, caller, min_size, keep_residual)
         num_devices = _checks.bound_axis_size(axis, caller)
-        share, has_weight = _device_share(weight, axis, num_devices, caller)
-        key, leaf_keys = split_per_leaf(state.key, updates)
-        device_keys = [
-            jax.random.fold_in(k, jax.lax.axis_index(axis))
-            for k in jax.tree.leaves(leaf_keys)
-        ]
+        device = jax.lax.axis_index(axis)
         leaves, treedef = jax.tree.flatten(updates)
-        residuals = jax.tree.flatten(state.residual, is_leaf=is_masked)[0]
+        residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
+        compressed = [i for i, x in enumerate(leaves) if is_compressed(x, min_size)]
+        exact = [i for i in range(len(leaves)) if i not in compressed]
         means, new_residuals = list(leaves), list(residuals)
-        compressed = [
-            i for i, leaf in enumerate(leaves) if is_compressed(leaf, min_size)
-        ]
 
-        for i, leaf in enumerate(leaves):
-            if i not in compressed:
-                mean = jax.lax.psum(share * leaf.astype(jnp.float32), axis)
-                means[i] = mean.astype(leaf.dtype)
+        # Collective 1: the total weight and the uncompressed leaves' sums
+        # in one all-reduce. A device's term is a select, not a multiply, so
+        # a weight-0 device's NaN gradients contribute nothing (0 * NaN).
+        if weight is None:
+            raw = jnp.float32(1.0)
+            sums = _psum_list([leaves[i].astype(jnp.float32) for i in exact], axis)
+            total = jnp.float32(num_devices)
+        else:
+            raw = _weights.scalar_weight(weight, caller)
+            sums = [_weighted(raw, leaves[i]) for i in exact]
+            total, *sums = _psum_list([raw, *sums], axis)
+        share, has_weight = _weights.share(raw, total)
+        inverse_total = _weights.share(jnp.float32(1.0), total)[0]
+        for i, leaf_sum in zip(exact, sums, strict=True):
+            means[i] = (leaf_sum * inverse_total).astype(leaves[i].dtype)
 
         # This device's share of the mean, plus what it failed to send before.
-        inputs = {i: share * leaves[i].astype(jnp.float32) for i in compressed}
+        inputs = {i: _weighted(share, leaves[i]) for i in compressed}
         if keep_residual:
             inputs = {i: x + residuals[i] for i, x in inputs.items()}
-        clipped = {i: clip_to_sigma(x, clip_sigma) for i, x in inputs.items()}
-        # One pmax for all leaves' scales. A non-finite input is marked +inf,
-        # not NaN, because max is guaranteed to propagate inf to every device.
-        local_scales = [
-            jnp.where(
-                jnp.all(jnp.isfinite(inputs[i])), jnp.max(jnp.abs(clipped[i])), jnp.inf
+        bounds, local_scales = {}, []
+        for i, x in inputs.items():
+            max_abs, bounds[i], finite = max_abs_and_bound(x, clip_sigma)
+            # A non-finite input is marked +inf, not NaN: max is guaranteed
+            # to propagate inf to every device.
+            local_scales.append(
+                jnp.where(finite, clipped_scale(max_abs, bounds[i]), jnp.inf)
             )
-            for i in compressed
-        ]
+        # Collective 2: one pmax for all leaves' scales.
         scales = dict(zip(compressed, _pmax_stacked(local_scales, axis), strict=True))
         codes = {
-            i: stochastic_codes(clipped[i], scales[i], device_keys[i])
-            for i in compressed
+            i: stochastic_codes(
+                x, scales[i], bounds[i], _random.stream(state.key, i, device)
+            )
+            for i, x in inputs.items()
         }
+        # Collective 3: every leaf's codes in one packed integer psum.
         code_sums = _psum_codes(codes, axis, num_devices)
 
         for i in compressed:
@@ -210,13 +256,18 @@ def ternary_average_across_devices(
             means[i] = jnp.where(has_weight, mean, 0.0).astype(leaves[i].dtype)
             if keep_residual:
                 new_residuals[i] = jnp.where(
-                    finite & has_weight, inputs[i] - clipped[i], residuals[i]
+                    finite & has_weight,
+                    inputs[i] - clip(inputs[i], bounds[i]),
+                    residuals[i],
                 )
 
         residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
         return (
             jax.tree.unflatten(treedef, means),
-            TernaryState(key, jax.tree.unflatten(residual_treedef, new_residuals)),
+            TernaryState(
+                _random.advance(state.key),
+                jax.tree.unflatten(residual_treedef, new_residuals),
+            ),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -35,7 +35,8 @@ class TernaryState(NamedTuple):
     """State of `ternarize` and `ternary_average_across_devices`.
 
     Attributes:
-      key: raw uint32 PRNG key data (checkpointable), split on every update.
+      key: ``uint32[2] = (seed, step)``, the counter of the random bits (see
+        ``_ternary._random``; checkpointable), advanced on every update.
       residual: float32 compression bias per compressed leaf (the whole error
         for TWN, the clipping error for TernGrad), added to the next step's
         input (error feedback); ``optax.MaskedNode()`` for leaves that keep

@@ -40,11 +40,20 @@ def is_masked(node: Any) -> bool:
     return isinstance(node, optax.MaskedNode)
 
 
-def check_updates(updates: Any, template: Any, caller: str) -> None:
+def check_updates(
+    updates: Any,
+    template: Any,
+    caller: str,
+    min_size: int | None = None,
+    keep_residual: bool = False,
+) -> None:
     """Raises, naming the leaf, if ``updates`` do not match a state template.
 
     ``template`` is shaped like the params, with ``optax.MaskedNode()`` at
-    leaves whose shape the state does not record.
+    leaves whose shape the state does not record. With ``keep_residual``,
+    a leaf must also be compressed exactly where the template holds a
+    residual (``min_size`` decides): a small leaf that grew past
+    ``min_size`` would have no residual to use.
     """
     _checks.floating_leaves(updates, f"{caller}: updates")
     _checks.same_structure(
@@ -54,6 +63,19 @@ def check_updates(updates: Any, template: Any, caller: str) -> None:
         "the parameters the state was initialized with",
         placeholder=is_masked,
     )
+    if not keep_residual:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
+    slots = jax.tree.leaves(template, is_leaf=is_masked)
+    for (path, leaf), slot in zip(leaves, slots, strict=True):
+        if is_compressed(leaf, min_size) and is_masked(slot):
+            raise ValueError(
+                f"{caller}: updates leaf {jax.tree_util.keystr(path)} has shape "
+                f"{np.shape(leaf)} ({np.size(leaf)} elements, compressed since "
+                f"min_size={min_size}), but the state was initialized with a "
+                "leaf too small to compress there (no residual): initialize "
+                "the state with the parameters the updates come from."
+            )
 
 
 def unzip(reference: Any, pairs: Any) -> tuple[Any, Any]:

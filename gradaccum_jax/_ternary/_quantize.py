@@ -10,8 +10,9 @@ float32 scale per tensor. Two quantizers are provided:
 - deterministic (TWN; Li & Liu, "Ternary Weight Networks", 2016): a fixed
   threshold, lower variance but biased, used with error feedback.
 
-The building blocks (clipping, codes from given uniforms, stochastic
-rounding) are shared by `ternarize`, the device mean and the accumulator.
+The building blocks (one-pass scale and clipping bound, codes from
+counter-based random bits) are shared by `ternarize`, the device mean and
+the accumulator.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _checks
+from gradaccum_jax._ternary import _random
 
 # TWN (Li & Liu 2016): delta = 0.7 * E|x| approximates the threshold that
 # minimizes the L2 error of a ternary code for uniform or Gaussian values.
@@ -35,64 +37,97 @@ def validate_clip_sigma(value: Any) -> float | None:
     return _checks.positive_finite("clip_sigma", value)
 
 
-def _max_abs_and_rms(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Returns max|x| and sqrt(mean(x**2)) of a float32 array.
+def max_abs_and_bound(
+    x: jax.Array, clip_sigma: float | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns max|x|, TernGrad's clipping bound and whether x is all finite.
 
-    The root mean square is computed on x / max|x| so that x**2 cannot
-    overflow float32 for large (but finite) gradients.
+    The bound is ``clip_sigma * rms(x)``, +inf without clipping. The standard
+    deviation is taken about zero (the root mean square): it is the paper's
+    sigma for zero-mean gradients, and unlike the deviation about the mean
+    it is not 0 for a constant non-zero tensor (which would otherwise be
+    clipped to all zeros).
+
+    Two reductions, max|x| and sum(x**2), and nothing else: an infinity in
+    ``x`` makes the maximum infinite, a NaN makes the sum NaN (XLA's CPU max
+    reduction may drop NaN; a sum cannot), while a finite ``x`` whose sum of
+    squares overflows float32 (rms above ~1.8e19 / sqrt(size)) gives a sum
+    of +inf, not NaN: such a tensor is still finite, merely not clipped.
     """
     max_abs = jnp.max(jnp.abs(x), initial=0.0)
-    safe_max = jnp.where(max_abs > 0, max_abs, 1.0)
-    rms = max_abs * jnp.sqrt(jnp.mean(jnp.square(x / safe_max)))
-    return max_abs, rms
-
-
-def clip_to_sigma(x: jax.Array, clip_sigma: float | None) -> jax.Array:
-    """TernGrad's gradient clipping to ``clip_sigma`` standard deviations.
-
-    The standard deviation is taken about zero (the root mean square): it is
-    the paper's sigma for zero-mean gradients, and unlike the deviation about
-    the mean it is not 0 for a constant non-zero tensor (which would
-    otherwise be clipped to all zeros).
-    """
+    sum_sq = jnp.sum(jnp.square(x))
+    finite = jnp.isfinite(max_abs) & ~jnp.isnan(sum_sq)
     if clip_sigma is None:
-        return x
-    _, rms = _max_abs_and_rms(x)
-    bound = clip_sigma * rms
+        return max_abs, jnp.float32(jnp.inf), finite
+    return max_abs, clip_sigma * jnp.sqrt(sum_sq / max(x.size, 1)), finite
+
+
+def clip(x: jax.Array, bound: jax.Array) -> jax.Array:
+    """``x`` clipped to [-bound, bound] (bound may be +inf)."""
     return jnp.clip(x, -bound, bound)
 
 
-def codes_from_uniform(x: jax.Array, scale: jax.Array, uniform: jax.Array) -> jax.Array:
-    """Int8 codes with P(code = sign(x)) = |x| / scale, else 0.
+def clip_to_sigma(x: jax.Array, clip_sigma: float | None) -> jax.Array:
+    """TernGrad's gradient clipping to ``clip_sigma`` standard deviations."""
+    if clip_sigma is None:
+        return x
+    return clip(x, max_abs_and_bound(x, clip_sigma)[1])
 
-    ``uniform`` holds independent U[0, 1) draws shaped like ``x``. Requires
-    |x| <= scale. E[code * scale] = x exactly (up to the 2**-23 resolution
-    of a float32 uniform draw), and scale = 0 gives all-zero codes.
+
+def clipped_scale(max_abs: jax.Array, bound: jax.Array) -> jax.Array:
+    """max|clip(x)| = min(max|x|, bound): clipping is monotone, no pass needed."""
+    return jnp.minimum(max_abs, bound)
+
+
+def code_thresholds(x: jax.Array, scale: jax.Array, bound: jax.Array) -> jax.Array:
+    """`_random.threshold` of P(code != 0) = |clip(x, bound)| / scale.
+
+    Requires ``scale >= min(max|x|, bound)``; scale 0 gives all-zero
+    thresholds. Two scalars are computed once so that each element costs a
+    multiply, a minimum and a conversion.
     """
-    safe_scale = jnp.where(scale > 0, scale, 1.0)
-    probability = jnp.where(scale > 0, jnp.abs(x) / safe_scale, 0.0)
-    return jnp.where(uniform < probability, jnp.sign(x), 0.0).astype(jnp.int8)
+    positive = scale > 0
+    per_unit = jnp.where(
+        positive, _random.PROBABILITY_ONE / jnp.where(positive, scale, 1), 0
+    )
+    cap = jnp.minimum(bound * per_unit, _random.PROBABILITY_ONE)
+    # = _random.threshold(p), with 2**24 / scale folded into one multiply.
+    # |x * per_unit| rather than |x| * per_unit: XLA would share |x| with the
+    # max|x| reduction by writing it out, a whole extra pass over x.
+    return jnp.minimum(jnp.abs(x * per_unit), cap).astype(jnp.int32)
 
 
-def stochastic_codes(x: jax.Array, scale: jax.Array, key: jax.Array) -> jax.Array:
-    """`codes_from_uniform` with fresh draws from ``key``."""
-    return codes_from_uniform(x, scale, jax.random.uniform(key, x.shape))
+def codes_from_bits(
+    x: jax.Array, scale: jax.Array, bound: jax.Array, random_bits: jax.Array
+) -> jax.Array:
+    """Int8 codes with P(code = sign(x)) = |clip(x, bound)| / scale, else 0.
+
+    ``random_bits`` holds independent uint32 draws shaped like ``x`` (see
+    `_random.bits`). Requires ``scale >= min(max|x|, bound)``. The
+    probability is resolved to 2**-24 (`_random.bernoulli`), so
+    ``E[code * scale]`` is within ``scale * 2**-24`` of ``clip(x)``; scale
+    0 gives all-zero codes.
+    """
+    fires = _random.bernoulli(random_bits, code_thresholds(x, scale, bound))
+    sign = jnp.where(x > 0, jnp.int8(1), jnp.int8(-1))
+    return jnp.where(fires, sign, jnp.int8(0))
 
 
-def stochastic_round(x: jax.Array, uniform: jax.Array) -> jax.Array:
-    """Rounds to floor(x) or floor(x) + 1 with E[result] = x (float32 out)."""
-    low = jnp.floor(x)
-    return low + (uniform < x - low)
+def stochastic_codes(
+    x: jax.Array, scale: jax.Array, bound: jax.Array, stream: jax.Array
+) -> jax.Array:
+    """`codes_from_bits` with the draws of a `_random.stream`."""
+    return codes_from_bits(x, scale, bound, _random.bits(stream, x.shape))
 
 
-def poison_if_nonfinite(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """Makes ``scale`` NaN when ``x`` holds any NaN or infinity.
+def poison_if_nonfinite(finite: jax.Array, scale: jax.Array) -> jax.Array:
+    """Makes ``scale`` NaN unless ``finite`` (x held no NaN or infinity).
 
     Every dequantized element is then NaN (0 * NaN = NaN), so a non-finite
     gradient stays visible to e.g. `skip_not_finite` instead of being
     silently rounded to finite codes.
     """
-    return jnp.where(jnp.all(jnp.isfinite(x)), scale, jnp.nan)
+    return jnp.where(finite, scale, jnp.nan)
 
 
 def ternary_quantize(
@@ -152,11 +187,12 @@ def ternary_quantize(
         count = jnp.sum(support)
         scale = jnp.sum(jnp.where(support, magnitude, 0.0)) / jnp.maximum(count, 1)
         codes = jnp.where(support, jnp.sign(x), 0.0).astype(jnp.int8)
+        finite = jnp.all(jnp.isfinite(x))
     else:
-        clipped = clip_to_sigma(x, clip_sigma)
-        scale = jnp.max(jnp.abs(clipped), initial=0.0)
-        codes = stochastic_codes(clipped, scale, key)
-    return codes, poison_if_nonfinite(x, scale.astype(jnp.float32))
+        max_abs, bound, finite = max_abs_and_bound(x, clip_sigma)
+        scale = clipped_scale(max_abs, bound)
+        codes = stochastic_codes(x, scale, bound, _random.stream_from_key(key))
+    return codes, poison_if_nonfinite(finite, scale.astype(jnp.float32))
 
 
 def ternary_dequantize(

@@ -1,7 +1,32 @@
-"""PRNG keys of the ternary transformations, kept as checkpointable arrays.
+"""Counter-based random bits for the ternary transformations' stochastic rounding.
 
-A state holds raw uint32 key data rather than a typed key: plain arrays
-survive orbax checkpoints and ``jax.device_get``.
+One mechanism serves `ternarize`, `ternary_average_across_devices` and
+`ternary_accumulate`: every element's 32 random bits are a hash of
+``(seed, step, leaf index, device index, element index)``. Nothing random is
+generated sequentially, so the draws are computed inside the elementwise
+pass that consumes them (XLA fuses the hash into the rounding), at a few
+integer operations per element instead of threefry's 20 rounds.
+
+- A state holds ``uint32[2] = (seed, step)``: plain arrays, checkpointable,
+  and the step counter is all that makes the next step's draws new. The
+  counter wraps after 2**32 steps (the draws then repeat).
+- `stream` hashes ``(seed, step, leaf, device)`` into two 32-bit words
+  ``(k0, k1)`` by chaining the mixer below twice from different constants,
+  so two distinct streams share both words with probability ~2**-64.
+- `bits` hashes each element index ``i`` as ``mix((i ^ k0) * PHI + k1)``,
+  with ``mix`` Wellons' "lowbias32" (two multiply / xor-shift rounds, the
+  32-bit integer hash with the lowest measured avalanche bias of its
+  kind; https://nullprogram.com/blog/2018/07/31/). Within a stream the
+  hash inputs are distinct, so draws never repeat; two streams feed the
+  hash a common input only at index pairs fixed by both key words, which
+  for n elements happens with probability ~n / 2**32 per pair of streams,
+  at scattered indices (the xor with ``k0``), never for whole runs.
+
+How many bits rounding uses, and the bias that leaves: a Bernoulli(p)
+draw compares the top 24 bits with ``floor(p * 2**24)`` (`bernoulli`), so
+``P(1) = floor(p * 2**24) / 2**24``: at most 2**-24 below ``p``, the
+resolution of ``p`` itself as a float32 in [0.5, 1) (``jax.random.uniform``
+has 2**-23). In integer arithmetic, exact: no float uniform is formed.
 """
 
 from __future__ import annotations
@@ -9,16 +34,77 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Resolution of a Bernoulli draw: the top PROBABILITY_BITS bits of a hash.
+PROBABILITY_BITS = 24
+PROBABILITY_ONE = float(2**PROBABILITY_BITS)
+
+_PHI = np.uint32(0x9E3779B9)  # 2**32 / golden ratio, odd: a bijective multiply.
+_STREAM_SALTS = (np.uint32(0x243F6A88), np.uint32(0x85A308D3))  # digits of pi
 
 
-def seed_key(seed: int) -> jax.Array:
-    """Raw uint32 key data for ``seed``: plain arrays survive checkpointing."""
-    return jax.random.key_data(jax.random.key(seed))
+def mix(x: jax.Array) -> jax.Array:
+    """Wellons' lowbias32 integer hash, a bijection of uint32 (elementwise)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
 
 
-def split_per_leaf(key: jax.Array, tree: Any) -> tuple[jax.Array, Any]:
-    """Returns the next state key and a tree of independent keys, one per leaf."""
-    key, step_key = jax.random.split(jax.random.wrap_key_data(key))
-    leaves, treedef = jax.tree.flatten(tree)
-    leaf_keys = list(jax.random.split(step_key, len(leaves))) if leaves else []
-    return jax.random.key_data(key), jax.tree.unflatten(treedef, leaf_keys)
+def seed_state(seed: int) -> jax.Array:
+    """The counter state ``uint32[2] = (seed, step 0)``."""
+    return jnp.array([seed, 0], jnp.uint32)
+
+
+def advance(state: jax.Array) -> jax.Array:
+    """The next step's counter state (the step word plus one, wrapping)."""
+    return state + jnp.array([0, 1], jnp.uint32)
+
+
+def stream(state: jax.Array, leaf: int, device: Any = 0) -> jax.Array:
+    """The two key words ``uint32[2]`` of one (seed, step, leaf, device) stream."""
+    state = jnp.asarray(state, jnp.uint32)
+    words = (state[0], state[1], jnp.uint32(leaf), jnp.asarray(device, jnp.uint32))
+    keys = []
+    for salt in _STREAM_SALTS:
+        h = jnp.uint32(salt)
+        for word in words:
+            h = mix(h ^ word)
+        keys.append(h)
+    return jnp.stack(keys)
+
+
+def stream_from_key(key: jax.Array) -> jax.Array:
+    """A stream from a JAX PRNG key (typed or raw uint32 key data)."""
+    if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """32 random bits per element of ``shape``, from a `stream` ``key``.
+
+    Elements are numbered in row-major order, so a leaf has at most 2**32
+    elements.
+    """
+    size = int(np.prod(shape, dtype=np.int64))
+    index = jax.lax.iota(jnp.uint32, size).reshape(shape)
+    return mix((index ^ key[0]) * _PHI + key[1])
+
+
+def threshold(probability: jax.Array) -> jax.Array:
+    """``floor(p * 2**24)`` as int32, for p in [0, 1] (see `bernoulli`)."""
+    return (probability * PROBABILITY_ONE).astype(jnp.int32)
+
+
+def bernoulli(random_bits: jax.Array, threshold_: jax.Array) -> jax.Array:
+    """True with probability ``threshold / 2**24`` (exactly), per element.
+
+    ``threshold_`` is `threshold` of a probability; the top 24 bits of
+    ``random_bits`` are compared with it.
+    """
+    top = (random_bits >> (32 - PROBABILITY_BITS)).astype(jnp.int32)
+    return top < threshold_

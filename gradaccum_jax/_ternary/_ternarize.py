@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _checks
+from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._error_feedback import (
     TernaryState,
     keeps_residual,
@@ -17,14 +18,17 @@ from gradaccum_jax._ternary._leaves import (
     check_updates,
     common_config,
     is_compressed,
-    unzip,
+    is_masked,
 )
 from gradaccum_jax._ternary._quantize import (
-    clip_to_sigma,
+    clip,
+    clipped_scale,
+    max_abs_and_bound,
+    poison_if_nonfinite,
+    stochastic_codes,
     ternary_dequantize,
     ternary_quantize,
 )
-from gradaccum_jax._ternary._random import seed_key, split_per_leaf
 
 
 def ternarize(
@@ -54,8 +58,9 @@ def ternarize(
     non-finite update sends NaN (see `ternary_quantize`) and leaves the
     residual unchanged, so one bad step does not poison the following ones.
 
-    The PRNG key lives in the state and is split on every update: the
-    transformation is pure, and a run is reproducible from ``seed``.
+    The random bits are a hash of (seed, step, leaf, element) (see
+    ``_ternary._random``); the state keeps the seed and a step counter, so
+    the transformation is pure and a run is reproducible from ``seed``.
 
     Args:
       seed: an integer in [0, 2**32 - 1] seeding the stochastic rounding.
@@ -79,23 +84,29 @@ def ternarize(
 
     def init_fn(params):
         return TernaryState(
-            seed_key(seed), residual_init(params, min_size, keep_residual)
+            _random.seed_state(seed), residual_init(params, min_size, keep_residual)
         )
 
     def update_fn(updates, state, params=None):
         del params
-        check_updates(updates, state.residual, "ternarize")
-        key, leaf_keys = split_per_leaf(state.key, updates)
+        check_updates(updates, state.residual, "ternarize", min_size, keep_residual)
+        leaves, treedef = jax.tree.flatten(updates)
+        residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
 
-        def compress(update, residual, leaf_key):
+        def compress(index, update, residual):
             if not is_compressed(update, min_size):
                 return update, residual
             x = update.astype(jnp.float32)
             if keep_residual:
                 x = x + residual
             if stochastic:
-                expected = clip_to_sigma(x, clip_sigma)  # = E[sent]
-                codes, scale = ternary_quantize(expected, leaf_key, clip_sigma=None)
+                max_abs, bound, finite = max_abs_and_bound(x, clip_sigma)
+                scale = clipped_scale(max_abs, bound)
+                codes = stochastic_codes(
+                    x, scale, bound, _random.stream(state.key, index)
+                )
+                expected = clip(x, bound)  # = E[sent]
+                scale = poison_if_nonfinite(finite, scale)
                 sent = ternary_dequantize(codes, scale)
             else:
                 codes, scale = ternary_quantize(x)
@@ -104,8 +115,15 @@ def ternarize(
                 residual = jnp.where(jnp.isfinite(scale), x - expected, residual)
             return sent.astype(update.dtype), residual
 
-        pairs = jax.tree.map(compress, updates, state.residual, leaf_keys)
-        sent, residual = unzip(updates, pairs)
-        return sent, TernaryState(key, residual)
+        pairs = [
+            compress(i, leaf, residual)
+            for i, (leaf, residual) in enumerate(zip(leaves, residuals, strict=True))
+        ]
+        sent = jax.tree.unflatten(treedef, [pair[0] for pair in pairs])
+        residual = jax.tree.unflatten(
+            jax.tree.structure(state.residual, is_leaf=is_masked),
+            [pair[1] for pair in pairs],
+        )
+        return sent, TernaryState(_random.advance(state.key), residual)
 
     return optax.GradientTransformation(init_fn, update_fn)
