@@ -17,7 +17,7 @@ from gradaccum_jax._accumulation import (
     skip_large_updates,
     skip_not_finite,
 )
-from gradaccum_jax._window import WindowAccumulator, float_accumulator
+from gradaccum_jax._window import RunningMean, WindowAccumulator, float_accumulator
 
 # --- clipping ---
 from gradaccum_jax._clipping import (
@@ -42,7 +42,12 @@ from gradaccum_jax._ternary import (
 )
 
 # --- measurement ---
-from gradaccum_jax._measure import all_reduce_nbytes, state_nbytes
+from gradaccum_jax._measure import (
+    AllReduce,
+    all_reduce_nbytes,
+    all_reduces,
+    state_nbytes,
+)
 
 # --- data parallelism under jax.jit: per-device gradients ---
 from gradaccum_jax._local import local_value_and_grad
@@ -56,7 +61,9 @@ __all__ = [
     "accumulate",
     "AccumulationStats",
     "AccumulationTransformation",
+    "AllReduce",
     "all_reduce_nbytes",
+    "all_reduces",
     "average_across_devices",
     "clip",
     "clip_by_global_norm",
@@ -67,6 +74,7 @@ __all__ = [
     "microbatched_value_and_grad",
     "MultiSteps",
     "MultiStepsState",
+    "RunningMean",
     "ShouldSkipUpdateFunction",
     "skip_large_updates",
     "skip_not_finite",

@@ -52,6 +52,7 @@ NOT_CONSTRUCTORS = {
     "global_norm",
     "state_nbytes",
     "all_reduce_nbytes",
+    "all_reduces",
     "ternary_dequantize",
     # optax's own functions, re-exported with optax's signatures.
     "skip_not_finite",

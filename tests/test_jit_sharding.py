@@ -312,3 +312,41 @@ def test_local_value_and_grad_stacks_the_terms_on_an_auto_mesh():
     np.testing.assert_array_equal(weight, mask.reshape(N_DEVICES, -1).sum(1))
     assert grads["w1"].shape == (N_DEVICES, 16, 32)
     assert grads["w1"].sharding.spec == P("data")
+
+
+# --- FSDP: a window sharded like the parameters ----------------------------
+
+
+def test_fsdp_params_keep_a_sharded_window_reduced_every_micro_step():
+    """The other choice: plain `MultiSteps` with parameters sharded over the
+    data axis keeps its window sharded like them (1/n of the accumulator per
+    device), at the price of a gradient reduction on every micro-step."""
+    mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
+    shard_rows = jax.sharding.NamedSharding(mesh, P("data"))
+    with jax.set_mesh(mesh):
+        params = {
+            "w1": jax.device_put(_params()["w1"], shard_rows),  # (16, 32)
+            "w2": jax.device_put(_params()["w2"], shard_rows),  # (32, 4)
+            "b": _params()["b"],
+        }
+        opt = ga.MultiSteps(optax.sgd(1.0), K)
+        state = opt.init(params)
+
+        @jax.jit
+        def step(params, state, x, y, mask):
+            grads = jax.grad(lambda p: _masked_loss(p, x, y, mask)[0])(params)
+            return opt.update(grads, state, params, weight=jnp.sum(mask))
+
+        batches = _micro_batches([16, 24, 8], masked=True)
+        for batch in batches:
+            updates, state = step(params, state, *_place(batch))
+        compiled = step.lower(params, state, *_place(batches[0])).compile()
+
+    for name in ("w1", "w2"):
+        acc = state.acc_grads[name]
+        assert acc.sharding.spec == P("data")
+        assert acc.addressable_shards[0].data.shape[0] == acc.shape[0] // N_DEVICES
+    # Every micro-step reduces the gradients outside the emission loop.
+    every_call = [r for r in all_reduces(compiled) if r.place == "entry"]
+    assert sum(r.nbytes for r in every_call) >= PARAM_BYTES // N_DEVICES
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
