@@ -39,8 +39,20 @@ def _integer_at_least(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def positive_finite(name: str, value: Any) -> float:
-    """Returns ``value`` as a float, or raises if it is not finite and > 0."""
+def positive_finite(name: str, value: Any) -> Any:
+    """Returns ``value`` as a float, or raises if it is not finite and > 0.
+
+    A traced scalar (a hyperparameter under ``optax.inject_hyperparams``
+    inside ``jax.jit``) has no value to check at construction and is
+    returned as it is: the check covers what is concrete.
+    """
+    if isinstance(value, jax.core.Tracer):
+        if np.ndim(value) != 0:
+            raise ValueError(
+                f"`{name}` must be a positive finite scalar, got a traced array "
+                f"of shape {np.shape(value)}."
+            )
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         if isinstance(value, jax.Array | np.ndarray) and np.ndim(value) == 0:
             value = float(value)
