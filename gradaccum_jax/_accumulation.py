@@ -20,6 +20,7 @@ int8 codes instead, with the same engine.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -105,7 +106,9 @@ class MultiSteps:
       emitting call the window's total weight is passed to the inner
       optimizer as the extra argument ``weight``, so an
       `average_across_devices` in the inner chain weighs devices by what
-      they saw;
+      they saw. An inner optimizer that rejects an extra ``weight`` (the
+      line searches of `optax.lbfgs` pass every extra argument on to
+      ``value_fn``) is called without it, decided at trace time;
     * a non-finite micro-batch (without a skip function) makes its own
       window's update non-finite and no other: the accumulator is really
       reset, not multiplied by zero;
@@ -135,9 +138,10 @@ class MultiSteps:
 
         Args:
           opt: the wrapped optimizer.
-          every_k_schedule: micro-batches per update, as an int >= 1 or a
-            function of the gradient step returning one (a batch-size
-            schedule).
+          every_k_schedule: micro-batches per update, as an int in
+            [1, 2**31 - 1] or a function of the gradient step returning one
+            (a batch-size schedule). A schedule value below 1 counts as 1
+            (optax's MultiSteps stops emitting instead).
           use_grad_mean: emit the (weighted) mean of the window's gradients
             if True, their (weighted) sum otherwise.
           should_skip_update_fn: optional ``fn(grads, gradient_step, params)
@@ -161,7 +165,7 @@ class MultiSteps:
         if isinstance(every_k_schedule, int | np.integer) and not isinstance(
             every_k_schedule, bool
         ):
-            every_k = _checks.positive_int("every_k_schedule", every_k_schedule)
+            every_k = _checks.window_size("every_k_schedule", every_k_schedule)
             self._every_k_schedule = lambda step: every_k
         elif callable(every_k_schedule):
             self._every_k_schedule = every_k_schedule
@@ -235,6 +239,7 @@ class MultiSteps:
           ``(updates, state)``: the inner optimizer's updates on the emitting
           call, zeros of the same dtypes otherwise.
         """
+        _check_state(state, "update")
         _checks.floating_leaves(updates, "gradients")
         if params is not None:
             _checks.same_structure(updates, params, "gradients", "params")
@@ -271,7 +276,7 @@ class MultiSteps:
         mini_step = state.mini_step + fills_window.astype(jnp.int32)
         # `>=` rather than `==`: a schedule may shrink k mid-window.
         emit = jnp.logical_and(
-            fills_window, mini_step >= self._every_k_schedule(state.gradient_step)
+            fills_window, mini_step >= self._window_size(state.gradient_step)
         )
         state = state._replace(
             mini_step=mini_step,
@@ -305,6 +310,7 @@ class MultiSteps:
         Returns:
           ``(updates, state)`` with a fresh window in ``state``.
         """
+        _check_state(state, "flush")
         grads_like = self._accumulator.total(state.acc_grads)
         if params is not None:
             grads_like = optax.tree.cast_like(grads_like, params)
@@ -312,6 +318,7 @@ class MultiSteps:
 
     def reset(self, state: MultiStepsState) -> MultiStepsState:
         """Drops the partial window; the inner optimizer state is kept."""
+        _check_state(state, "reset")
         return state._replace(
             mini_step=jnp.zeros_like(state.mini_step),
             acc_grads=self._accumulator.reset(state.acc_grads),
@@ -321,13 +328,12 @@ class MultiSteps:
 
     def stats(self, state: MultiStepsState) -> AccumulationStats:
         """Returns micro-batches seen, updates emitted and the window's fill."""
+        _check_state(state, "stats")
         return AccumulationStats(
             micro_steps=state.micro_steps,
             gradient_steps=state.gradient_step,
             window_fill=state.mini_step,
-            window_size=jnp.asarray(
-                self._every_k_schedule(state.gradient_step), jnp.int32
-            ),
+            window_size=jnp.asarray(self._window_size(state.gradient_step), jnp.int32),
             window_weight=state.acc_weight,
         )
 
@@ -360,10 +366,11 @@ class MultiSteps:
         already added to the window) whose buffers may hold the updates.
         """
 
-        def inner_update(acc, acc_weight, inner_state):
+        def inner_update(acc, acc_weight, inner_state, pass_weight=True):
             grads = self._window_gradient(acc, acc_weight, grads_like)
+            weight_arg = {"weight": acc_weight} if pass_weight else {}
             new_updates, new_inner_state = self._opt.update(
-                grads, inner_state, params, weight=acc_weight, **extra_args
+                grads, inner_state, params, **weight_arg, **extra_args
             )
             # The loop carry must keep its dtypes; optax.MultiSteps casts the
             # same way (some optimizers promote their state on update).
@@ -374,7 +381,7 @@ class MultiSteps:
             )
             return new_updates, new_inner_state
 
-        updates_shape, _ = jax.eval_shape(
+        inner_update, updates_shape = _with_weight_if_accepted(
             inner_update, state.acc_grads, state.acc_weight, state.inner_opt_state
         )
         slots = _UpdateSlots(state.acc_grads, updates_shape)
@@ -419,6 +426,17 @@ class MultiSteps:
             emitted=emit,
         )
         return new_updates, new_state
+
+    def _window_size(self, gradient_step):
+        """Micro-batches in the window at ``gradient_step``: the schedule's k, >= 1.
+
+        A schedule returning k <= 0 is a bug that a traced k cannot report.
+        optax's MultiSteps then never emits again: training silently stops
+        while the window's sum grows without bound. Here such a k counts as
+        1 (every micro-batch is its own window), the nearest window that has
+        a meaning, and `stats` reports that 1.
+        """
+        return jnp.maximum(self._every_k_schedule(gradient_step), 1)
 
     def _window_gradient(self, acc, acc_weight, grads_like):
         """The window's weighted mean (or sum), in the gradients' dtypes."""
@@ -499,6 +517,29 @@ class _UpdateSlots:
         return self._updates_def.unflatten(updates)
 
 
+def _with_weight_if_accepted(inner_update, *args):
+    """``(inner_update, its updates' shapes)``, ``weight=`` dropped if rejected.
+
+    ``inner_update(*args, pass_weight)`` runs the inner optimizer with the
+    window weight as the extra argument ``weight`` or without it. Most
+    transformations ignore extra arguments they do not use, but some reject
+    them: optax's line searches (in `optax.lbfgs`) forward every extra
+    argument to ``value_fn`` and raise a TypeError naming ``weight``, and a
+    plain function without ``**kwargs`` raises one too. Those get no
+    weight; everything else (`average_across_devices` in particular) does.
+    Both are decided at trace time, by shape evaluation only.
+    """
+    try:
+        updates_shape, _ = jax.eval_shape(inner_update, *args)
+        return inner_update, updates_shape
+    except TypeError as error:
+        if "weight" not in str(error):
+            raise
+    without_weight = functools.partial(inner_update, pass_weight=False)
+    updates_shape, _ = jax.eval_shape(without_weight, *args)
+    return without_weight, updates_shape
+
+
 def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
     return (jnp.shape(leaf), jnp.result_type(leaf)) == (shape.shape, shape.dtype)
 
@@ -514,6 +555,16 @@ def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
     if leaf is not None and _same_layout(leaf, shape):
         return leaf
     return jnp.zeros(shape.shape, shape.dtype)
+
+
+def _check_state(state: Any, method: str) -> None:
+    """Raises unless ``state`` looks like a `MultiStepsState`."""
+    if not all(hasattr(state, field) for field in ("mini_step", "acc_grads")):
+        raise ValueError(
+            f"MultiSteps.{method}: `state` must be the MultiStepsState returned "
+            "by `init(params)` (or by the previous update), got "
+            f"{type(state).__name__}. Call `init` first and pass its result."
+        )
 
 
 def _skip_function(
@@ -623,7 +674,7 @@ def accumulate(
         )
         use_grad_mean = _checks.boolean("average", average)
     if not callable(every_k):
-        _checks.positive_int("every_k", every_k)
+        _checks.window_size("every_k", every_k)
     return MultiSteps(
         opt,
         every_k,

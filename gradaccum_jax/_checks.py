@@ -23,6 +23,21 @@ def positive_int(name: str, value: Any) -> int:
     return _integer_at_least(name, value, 1)
 
 
+# Window sizes and step counters are int32 arrays inside the state.
+_MAX_INT32 = 2**31 - 1
+
+
+def window_size(name: str, value: Any) -> int:
+    """Returns ``value`` as an int, or raises unless it is in [1, 2**31 - 1]."""
+    value = _integer_at_least(name, value, 1)
+    if value > _MAX_INT32:
+        raise ValueError(
+            f"`{name}` must be an integer in [1, {_MAX_INT32}] (2**31 - 1): the "
+            f"window's counters are int32, got {value}."
+        )
+    return value
+
+
 def nonnegative_int(name: str, value: Any) -> int:
     """Returns ``value`` as an int, or raises if it is not an integer >= 0."""
     return _integer_at_least(name, value, 0)

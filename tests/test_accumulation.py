@@ -387,3 +387,113 @@ def test_donated_train_step_needs_no_parameter_sized_temporaries(wrap_grads):
     theirs = temp_bytes(optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation())
     assert ours < 0.05 * param_bytes
     assert theirs > 2 * param_bytes
+
+
+# --- optimizers that reject unknown extra arguments ---------------------------
+
+
+def _quadratic(params):
+    return jnp.sum(jnp.array([1.0, 4.0]) * (params["x"] - jnp.array([1.0, -2.0])) ** 2)
+
+
+def _lbfgs_run(tx, micro_batches=2, windows=3, **update_kwargs):
+    """Steps lbfgs on the quadratic; every micro-batch sees the same gradient."""
+    params = {"x": jnp.zeros(2)}
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        value, grad = jax.value_and_grad(_quadratic)(params)
+        updates, state = tx.update(
+            grad,
+            state,
+            params,
+            value=value,
+            grad=grad,
+            value_fn=_quadratic,
+            **update_kwargs,
+        )
+        return optax.apply_updates(params, updates), state
+
+    trajectory = []
+    for _ in range(micro_batches * windows):
+        params, state = step(params, state)
+        trajectory.append(params["x"])
+    return np.stack(trajectory)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_lbfgs_with_line_search_runs_wrapped_as_in_optax(weighted):
+    # optax's zoom line search hands every extra argument it does not know
+    # to value_fn and raises on `weight`; the engine must not force one on it,
+    # with or without weights from the caller.
+    kwargs = {"weight": jnp.float32(3.0)} if weighted else {}
+    ours = _lbfgs_run(MultiSteps(optax.lbfgs(), 2), **kwargs)
+    reference = _lbfgs_run(optax.MultiSteps(optax.lbfgs(), 2))
+    np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-7)
+    # It moves once per window only, and descends: 17 at the start.
+    np.testing.assert_array_equal(ours[0], [0.0, 0.0])
+    np.testing.assert_array_equal(ours[1], ours[2])
+    assert float(_quadratic({"x": ours[-1]})) < 0.2
+
+
+def test_accumulate_of_lbfgs_runs_in_a_chain():
+    tx = optax.chain(optax.identity(), accumulate(optax.lbfgs(), 2))
+    ours = _lbfgs_run(tx)
+    reference = _lbfgs_run(optax.MultiSteps(optax.lbfgs(), 2))
+    np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_inner_optimizer_without_weight_argument_gets_none():
+    def update_fn(updates, state, params=None, *, value):
+        return jax.tree.map(lambda u: u * value, updates), state
+
+    tx = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
+    outputs, _ = run(MultiSteps(tx, 2), scalar_grads(1, 3), value=2.0)
+    assert float(outputs[1]["a"]) == 4.0
+
+
+def test_other_type_errors_of_the_inner_optimizer_are_not_swallowed():
+    def update_fn(updates, state, params=None, **extra_args):
+        raise TypeError("something else is wrong")
+
+    tx = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update_fn)
+    with pytest.raises(TypeError, match="something else is wrong"):
+        run(MultiSteps(tx, 2), scalar_grads(1, 3))
+
+
+# --- misuse at run time -------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["update", "flush", "reset", "stats"])
+def test_state_none_says_to_call_init_first(method):
+    tx = MultiSteps(optax.sgd(1.0), 2)
+    grads = {"a": jnp.ones(())}
+    call = {
+        "update": lambda: tx.update(grads, None, grads),
+        "flush": lambda: tx.flush(None),
+        "reset": lambda: tx.reset(None),
+        "stats": lambda: tx.stats(None),
+    }[method]
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"MultiSteps.{method}: `state` must be the MultiStepsState returned "
+            "by `init(params)` (or by the previous update), got NoneType. Call "
+            "`init` first"
+        ),
+    ):
+        call()
+
+
+@EAGER_AND_JIT
+@pytest.mark.parametrize("k", [0, -2])
+def test_schedule_below_one_counts_as_one(compile_fn, k):
+    # A traced k cannot raise; optax stops emitting forever, we emit every
+    # micro-batch (a window of 1) and report that window size.
+    schedule = lambda step: jnp.where(step < 1, 2, k)  # noqa: E731
+    tx = MultiSteps(optax.sgd(1.0), schedule)
+    outputs, state = run(tx, scalar_grads(1, 3, 5, 7), compile_fn=compile_fn)
+    assert [float(u["a"]) for u in outputs] == [0.0, -2.0, -5.0, -7.0]
+    assert int(state.gradient_step) == 3
+    assert int(tx.stats(state).window_size) == 1
