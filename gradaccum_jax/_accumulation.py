@@ -32,6 +32,7 @@ import optax
 
 from gradaccum_jax import _checks, _weights
 from gradaccum_jax._control import run_if
+from gradaccum_jax._tree import any_mapped_axis_bound, varying_axes
 from gradaccum_jax._window import WindowAccumulator, float_accumulator
 
 # The skip functions are optax's own: same signatures, same skip_state.
@@ -47,7 +48,8 @@ class MultiStepsState(NamedTuple):
 
     Attributes:
       mini_step: micro-batches accepted in the current window.
-      gradient_step: updates emitted so far.
+      gradient_step: windows closed so far (updates emitted, plus windows
+        of zero weight, which emit none).
       inner_opt_state: the wrapped optimizer's state.
       acc_grads: the window's accumulated (weighted) gradient sum, in the
         layout of the `WindowAccumulator` (a tree like the params by default).
@@ -109,9 +111,23 @@ class MultiSteps:
       they saw. An inner optimizer that rejects an extra ``weight`` (the
       line searches of `optax.lbfgs` pass every extra argument on to
       ``value_fn``) is called without it, decided at trace time;
-    * a non-finite micro-batch (without a skip function) makes its own
-      window's update non-finite and no other: the accumulator is really
-      reset, not multiplied by zero;
+    * a window of zero total weight (all its micro-batches skipped or of
+      weight 0) closes without an update: zeros are emitted, the inner
+      optimizer does not step (its state, adam's count and moments
+      included, is kept) and `has_updated` is False; ``gradient_step``
+      still advances, so a batch-size schedule and the devices stay in step.
+      Under data parallelism every device must take the same decision, or
+      devices that average inside ``opt`` diverge: inside ``shard_map``
+      the window weight is summed over the mesh axes it varies over (one
+      scalar psum at the emitting call, which therefore needs every device
+      to close its windows at the same call, as the averaging already does:
+      ``count_skipped=True``), so a device whose own window is empty still
+      applies the averaged update of the others. Under ``pmap`` (and
+      ``shard_map(check_vma=False)``) values carry no such type and no rule
+      can know which devices average together: there every closing window
+      steps the inner optimizer, as optax's does, so a device with an empty
+      window applies the averaged update, and one that does not average
+      steps on a zero gradient;
     * `has_updated` is exact, also after a skipped micro-batch;
     * `flush`, `reset` and `stats` handle partial windows.
 
@@ -392,17 +408,29 @@ class MultiSteps:
         # decode) would then run on every micro-step instead of once per
         # window.
         def emit_window(carry):
-            updates, rest, acc_weight, inner_state = carry
+            updates, rest, acc_weight, inner_state, _ = carry
             acc = slots.window(updates, rest)
-            new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
+            new_updates, new_inner_state = inner_update(acc, acc_weight, inner_state)
+            # A window of zero weight (all padding, all skipped) closes
+            # without stepping the inner optimizer: adam's momentum would
+            # still move the params, adamw would decay them.
+            stepped = _window_has_weight(acc_weight)
             return (
-                jax.tree.leaves(new_updates),
+                [
+                    jnp.where(stepped, u, jnp.zeros((), u.dtype))
+                    for u in jax.tree.leaves(new_updates)
+                ],
                 slots.rest(self._accumulator.reset(acc)),
                 jnp.zeros_like(acc_weight),
-                inner_state,
+                jax.tree.map(
+                    lambda new, old: jnp.where(stepped, new, old),
+                    new_inner_state,
+                    inner_state,
+                ),
+                stepped,
             )
 
-        updates, rest, acc_weight, inner_state = run_if(
+        updates, rest, acc_weight, inner_state, stepped = run_if(
             emit,
             emit_window,
             (
@@ -410,6 +438,7 @@ class MultiSteps:
                 slots.rest(state.acc_grads),
                 state.acc_weight,
                 state.inner_opt_state,
+                jnp.zeros([], jnp.bool_),
             ),
         )
         new_updates = slots.updates_tree(
@@ -423,7 +452,7 @@ class MultiSteps:
             inner_opt_state=inner_state,
             acc_grads=slots.window(updates, rest),
             acc_weight=acc_weight,
-            emitted=emit,
+            emitted=jnp.logical_and(emit, stepped),
         )
         return new_updates, new_state
 
@@ -555,6 +584,28 @@ def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
     if leaf is not None and _same_layout(leaf, shape):
         return leaf
     return jnp.zeros(shape.shape, shape.dtype)
+
+
+def _window_has_weight(acc_weight: jax.Array) -> jax.Array:
+    """Whether a closing window steps the inner optimizer, alike on all devices.
+
+    Devices that average inside the inner optimizer must decide alike, or
+    the one whose own window is empty keeps its state while the others
+    apply the averaged update, and they diverge. Inside ``shard_map`` the
+    weight's type says which mesh axes it varies over: the decision is
+    taken on its sum over them (one scalar psum, at the emitting call).
+    Where mapped axes are bound but the weight has no such type (``pmap``,
+    ``shard_map(check_vma=False)``), nothing tells which axes the devices
+    share: every closing window steps (the empty one with a zero gradient,
+    which is the right thing when the inner optimizer averages). Without
+    mapped axes the window's own weight decides.
+    """
+    axes = tuple(sorted(varying_axes(acc_weight)))
+    if axes:
+        return jax.lax.psum(acc_weight, axes) > 0
+    if any_mapped_axis_bound():
+        return jnp.asarray(True)
+    return acc_weight > 0
 
 
 def _check_state(state: Any, method: str) -> None:

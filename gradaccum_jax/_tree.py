@@ -33,3 +33,18 @@ def vary_over(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(leaf, missing, to="varying")
     return jax.lax.pvary(leaf, missing)
+
+
+def any_mapped_axis_bound() -> bool:
+    """Whether the code is traced under ``pmap``, ``shard_map`` or a named vmap.
+
+    JAX has no public query for it; where its internals differ, the answer
+    is True, the cautious one for the callers (they then assume that other
+    devices may see other values).
+    """
+    try:
+        from jax._src import core  # noqa: PLC0415
+
+        return bool(core.get_axis_env().axis_sizes)
+    except (ImportError, AttributeError):
+        return True

@@ -549,3 +549,48 @@ def test_forward_mode_through_update_matches_optax(wrapper):
         loss_of_lr(lambda opt: optax.MultiSteps(opt, 2)), (0.1,), (1.0,)
     )
     chex.assert_trees_all_close(ours, reference, rtol=1e-5)
+
+
+# --- windows of zero weight ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [optax.adam(0.1), optax.adamw(0.1, weight_decay=0.5)],
+    ids=["adam", "adamw"],
+)
+def test_zero_weight_window_does_not_step_the_inner_optimizer(inner):
+    tx = MultiSteps(inner, 2)
+    params = {"a": jnp.array([1.0, -2.0])}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for grads in ([1.0, 2.0], [3.0, -1.0]):  # one real window: moments != 0
+        updates, state = update({"a": jnp.array(grads)}, state, params, weight=1.0)
+        params = optax.apply_updates(params, updates)
+    params_before, inner_before = params, state.inner_opt_state
+    for grads in ([5.0, 5.0], [jnp.nan, 1.0]):
+        updates, state = update({"a": jnp.array(grads)}, state, params, weight=0.0)
+        params = optax.apply_updates(params, updates)
+        np.testing.assert_array_equal(updates["a"], [0.0, 0.0])
+    # Without the rule adam emitted its momentum (-0.067) and counted a step.
+    chex.assert_trees_all_equal(params, params_before)
+    chex.assert_trees_all_equal(state.inner_opt_state, inner_before)
+    assert not bool(tx.has_updated(state))
+    assert int(state.mini_step) == 0  # the window closed
+    assert int(state.gradient_step) == 2
+    # The next window steps again, from the kept moments.
+    updates, state = update({"a": jnp.ones(2)}, state, params, weight=1.0)
+    updates, state = update({"a": jnp.ones(2)}, state, params, weight=1.0)
+    assert bool(tx.has_updated(state))
+    assert int(state.inner_opt_state[0].count) == 2
+
+
+def test_all_nan_window_under_skip_nonfinite_does_not_step_adam():
+    tx = accumulate(optax.adam(0.1), 2, skip_nonfinite=True)
+    params = {"a": jnp.zeros(2)}
+    state = tx.init(params)
+    for grads in ([1.0, 2.0], [3.0, -1.0], [jnp.nan, 1.0], [jnp.inf, 0.0]):
+        updates, state = tx.update({"a": jnp.array(grads)}, state, params)
+    np.testing.assert_array_equal(updates["a"], [0.0, 0.0])
+    assert int(state.inner_opt_state[0].count) == 1
+    assert not bool(tx.has_updated(state))
