@@ -6,8 +6,12 @@ constructor, state field names, methods, results and dtypes, built so that
 * the inner optimizer runs only on the step that emits, inside a 0/1-trip
   while loop (`_control.run_if`), so a non-emitting micro-step costs about
   one pass of ``acc += w * g`` and copies no optimizer state;
-* the accumulator reset is a real reset, so a NaN micro-batch spoils only
-  its own window;
+* the accumulator reset is a real reset, so a NaN micro-batch does not
+  carry over into the next window's sum. It still makes its own window's
+  update NaN, and a stateful inner optimizer keeps it: adam's moments turn
+  NaN and every later update with them. Drop such micro-batches with
+  ``skip_nonfinite=True`` (or ``should_skip_update_fn=skip_not_finite``),
+  or wrap the accumulation in `optax.apply_if_finite`;
 * micro-batches can be weighted (``update(..., weight=n_examples)``), which
   makes the window's gradient equal to the big-batch gradient when
   micro-batches hold different numbers of examples;
@@ -128,6 +132,19 @@ class MultiSteps:
       steps the inner optimizer, as optax's does, so a device with an empty
       window applies the averaged update, and one that does not average
       steps on a zero gradient;
+    * the accumulator is really reset, not multiplied by zero, so a
+      non-finite micro-batch (without a skip function) does not enter the
+      next window's sum. It does make its own window's update non-finite,
+      and only a stateless inner optimizer (sgd) recovers from that: adam
+      puts the NaN into its moments, and every later update is NaN. The
+      remedies drop the micro-batch before it reaches the inner optimizer:
+      ``skip_nonfinite=True`` (``should_skip_update_fn=skip_not_finite``),
+      or `optax.apply_if_finite` around the accumulation::
+
+        MultiSteps(optax.adam(1e-3), 4, skip_nonfinite=True)
+        optax.apply_if_finite(
+            MultiSteps(optax.adam(1e-3), 4).gradient_transformation(), 10)
+
     * `has_updated` is exact, also after a skipped micro-batch;
     * `flush`, `reset` and `stats` handle partial windows.
 
