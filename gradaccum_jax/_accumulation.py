@@ -426,24 +426,28 @@ class MultiSteps:
         # window.
         def emit_window(carry):
             updates, rest, acc_weight, inner_state, _ = carry
-            acc = slots.window(updates, rest)
-            new_updates, new_inner_state = inner_update(acc, acc_weight, inner_state)
             # A window of zero weight (all padding, all skipped) closes
             # without stepping the inner optimizer: adam's momentum would
-            # still move the params, adamw would decay them.
+            # still move the params, adamw would decay them. A nested 0/1
+            # loop rather than a select keeps the inner state in place.
             stepped = _window_has_weight(acc_weight)
+
+            def step_inner(inner_carry):
+                updates, inner_state = inner_carry
+                acc = slots.window(updates, rest)
+                new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
+                return jax.tree.leaves(new_updates), inner_state
+
+            reset_window = slots.rest(
+                self._accumulator.reset(slots.window(updates, rest))
+            )
+            updates, inner_state = run_if(stepped, step_inner, (updates, inner_state))
             return (
-                [
-                    jnp.where(stepped, u, jnp.zeros((), u.dtype))
-                    for u in jax.tree.leaves(new_updates)
-                ],
-                slots.rest(self._accumulator.reset(acc)),
+                # Not stepped, the slots still hold the (zero-weight) window.
+                [jnp.where(stepped, u, jnp.zeros((), u.dtype)) for u in updates],
+                reset_window,
                 jnp.zeros_like(acc_weight),
-                jax.tree.map(
-                    lambda new, old: jnp.where(stepped, new, old),
-                    new_inner_state,
-                    inner_state,
-                ),
+                inner_state,
                 stepped,
             )
 
@@ -587,7 +591,18 @@ def _with_weight_if_accepted(inner_update, *args):
 
 
 def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
-    return (jnp.shape(leaf), jnp.result_type(leaf)) == (shape.shape, shape.dtype)
+    """Whether ``leaf``'s buffer can hold an update of ``shape``.
+
+    Inside ``shard_map`` that also needs ``leaf`` to vary over no mesh axis
+    the update does not vary over: a loop carry keeps the type of its
+    initial value, and an update that is the same on every device (after an
+    `average_across_devices` in the inner chain) must stay typed so, or
+    params updated with it could not be returned with ``out_specs=P()``.
+    """
+    return (jnp.shape(leaf), jnp.result_type(leaf)) == (
+        shape.shape,
+        shape.dtype,
+    ) and varying_axes(leaf) <= varying_axes(shape)
 
 
 def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
