@@ -57,11 +57,12 @@ def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraA
           out_specs=(P(), state_specs))
 
     Here each device's ``acc_grads`` block is its own window sum (the
-    global array stacks them along the first axis). A per-device weight
-    (``weight=`` varying over the axis) or a skip function makes
-    ``acc_weight`` and the counters device-dependent: give those
-    ``P(axis_name)`` with a leading axis of 1 per device, and the params
-    then come out varying (``out_specs=P(axis_name)`` with a leading axis).
+    global array stacks them along the first axis). These specs are for
+    windows without per-device weights or skip function: a ``weight=``
+    that differs between devices makes ``acc_weight`` differ, a skip
+    function makes the counters differ, and such leaves cannot be ``P()``:
+    keep the state inside the map (a scan over the steps) or give it a
+    leading device axis under ``P(axis_name)``.
 
     Use it inside ``jax.pmap(..., axis_name=axis_name)`` or inside
     ``jax.shard_map`` over a mesh axis named ``axis_name`` with the batch
