@@ -432,16 +432,21 @@ class MultiSteps:
             # loop rather than a select keeps the inner state in place.
             stepped = _window_has_weight(acc_weight)
 
+            # The window is threaded through the nested carry too: a
+            # closed-over integer window (ternary codes) would leak out of
+            # the differentiation rule of `run_if` as a tracer.
             def step_inner(inner_carry):
-                updates, inner_state = inner_carry
+                updates, rest, acc_weight, inner_state = inner_carry
                 acc = slots.window(updates, rest)
                 new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
-                return jax.tree.leaves(new_updates), inner_state
+                return jax.tree.leaves(new_updates), rest, acc_weight, inner_state
 
             reset_window = slots.rest(
                 self._accumulator.reset(slots.window(updates, rest))
             )
-            updates, inner_state = run_if(stepped, step_inner, (updates, inner_state))
+            updates, _, _, inner_state = run_if(
+                stepped, step_inner, (updates, rest, acc_weight, inner_state)
+            )
             return (
                 # Not stepped, the slots still hold the (zero-weight) window.
                 [jnp.where(stepped, u, jnp.zeros((), u.dtype)) for u in updates],
