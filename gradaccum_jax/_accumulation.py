@@ -6,8 +6,12 @@ constructor, state field names, methods, results and dtypes, built so that
 * the inner optimizer runs only on the step that emits, inside a 0/1-trip
   while loop (`_control.run_if`), so a non-emitting micro-step costs about
   one pass of ``acc += w * g`` and copies no optimizer state;
-* the accumulator reset is a real reset, so a NaN micro-batch spoils only
-  its own window;
+* the accumulator reset is a real reset, so a NaN micro-batch does not
+  carry over into the next window's sum. It still makes its own window's
+  update NaN, and a stateful inner optimizer keeps it: adam's moments turn
+  NaN and every later update with them. Drop such micro-batches with
+  ``skip_nonfinite=True`` (or ``should_skip_update_fn=skip_not_finite``),
+  or wrap the accumulation in `optax.apply_if_finite`;
 * micro-batches can be weighted (``update(..., weight=n_examples)``), which
   makes the window's gradient equal to the big-batch gradient when
   micro-batches hold different numbers of examples;
@@ -32,6 +36,7 @@ import optax
 
 from gradaccum_jax import _checks, _partials, _tree, _weights
 from gradaccum_jax._control import run_if
+from gradaccum_jax._tree import any_mapped_axis_bound, varying_axes
 from gradaccum_jax._window import WindowAccumulator, float_accumulator
 
 # The skip functions are optax's own: same signatures, same skip_state.
@@ -47,7 +52,8 @@ class MultiStepsState(NamedTuple):
 
     Attributes:
       mini_step: micro-batches accepted in the current window.
-      gradient_step: updates emitted so far.
+      gradient_step: windows closed so far (updates emitted, plus windows
+        of zero weight, which emit none).
       inner_opt_state: the wrapped optimizer's state.
       acc_grads: the window's accumulated (weighted) gradient sum, in the
         layout of the `WindowAccumulator` (a tree like the params by default,
@@ -107,10 +113,39 @@ class MultiSteps:
       emitting call the window's total weight is passed to the inner
       optimizer as the extra argument ``weight``, so an
       `average_across_devices` in the inner chain weighs devices by what
-      they saw;
-    * a non-finite micro-batch (without a skip function) makes its own
-      window's update non-finite and no other: the accumulator is really
-      reset, not multiplied by zero;
+      they saw. An inner optimizer that rejects an extra ``weight`` (the
+      line searches of `optax.lbfgs` pass every extra argument on to
+      ``value_fn``) is called without it, decided at trace time;
+    * a window of zero total weight (all its micro-batches skipped or of
+      weight 0) closes without an update: zeros are emitted, the inner
+      optimizer does not step (its state, adam's count and moments
+      included, is kept) and `has_updated` is False; ``gradient_step``
+      still advances, so a batch-size schedule and the devices stay in step.
+      Under data parallelism every device must take the same decision, or
+      devices that average inside ``opt`` diverge: inside ``shard_map``
+      the window weight is summed over the mesh axes it varies over (one
+      scalar psum at the emitting call, which therefore needs every device
+      to close its windows at the same call, as the averaging already does:
+      ``count_skipped=True``), so a device whose own window is empty still
+      applies the averaged update of the others. Under ``pmap`` (and
+      ``shard_map(check_vma=False)``) values carry no such type and no rule
+      can know which devices average together: there every closing window
+      steps the inner optimizer, as optax's does, so a device with an empty
+      window applies the averaged update, and one that does not average
+      steps on a zero gradient;
+    * the accumulator is really reset, not multiplied by zero, so a
+      non-finite micro-batch (without a skip function) does not enter the
+      next window's sum. It does make its own window's update non-finite,
+      and only a stateless inner optimizer (sgd) recovers from that: adam
+      puts the NaN into its moments, and every later update is NaN. The
+      remedies drop the micro-batch before it reaches the inner optimizer:
+      ``skip_nonfinite=True`` (``should_skip_update_fn=skip_not_finite``),
+      or `optax.apply_if_finite` around the accumulation::
+
+        MultiSteps(optax.adam(1e-3), 4, skip_nonfinite=True)
+        optax.apply_if_finite(
+            MultiSteps(optax.adam(1e-3), 4).gradient_transformation(), 10)
+
     * `has_updated` is exact, also after a skipped micro-batch;
     * `flush`, `reset` and `stats` handle partial windows.
 
@@ -167,9 +202,10 @@ class MultiSteps:
 
         Args:
           opt: the wrapped optimizer.
-          every_k_schedule: micro-batches per update, as an int >= 1 or a
-            function of the gradient step returning one (a batch-size
-            schedule).
+          every_k_schedule: micro-batches per update, as an int in
+            [1, 2**31 - 1] or a function of the gradient step returning one
+            (a batch-size schedule). A schedule value below 1 counts as 1
+            (optax's MultiSteps stops emitting instead).
           use_grad_mean: emit the (weighted) mean of the window's gradients
             if True, their (weighted) sum otherwise.
           should_skip_update_fn: optional ``fn(grads, gradient_step, params)
@@ -201,7 +237,7 @@ class MultiSteps:
         if isinstance(every_k_schedule, int | np.integer) and not isinstance(
             every_k_schedule, bool
         ):
-            every_k = _checks.positive_int("every_k_schedule", every_k_schedule)
+            every_k = _checks.window_size("every_k_schedule", every_k_schedule)
             self._every_k_schedule: Callable[[Any], Any] = lambda step: every_k
         elif callable(every_k_schedule):
             self._every_k_schedule = every_k_schedule
@@ -294,6 +330,7 @@ class MultiSteps:
           ``(updates, state)``: the inner optimizer's updates on the emitting
           call, zeros of the same dtypes otherwise.
         """
+        _check_state(state, "update")
         _checks.floating_leaves(updates, "gradients")
         if params is not None:
             _checks.same_structure(
@@ -342,7 +379,7 @@ class MultiSteps:
         mini_step = state.mini_step + fills_window.astype(jnp.int32)
         # `>=` rather than `==`: a schedule may shrink k mid-window.
         emit = jnp.logical_and(
-            fills_window, mini_step >= self._every_k_schedule(state.gradient_step)
+            fills_window, mini_step >= self._window_size(state.gradient_step)
         )
         state = state._replace(
             mini_step=mini_step,
@@ -377,6 +414,7 @@ class MultiSteps:
         Returns:
           ``(updates, state)`` with a fresh window in ``state``.
         """
+        _check_state(state, "flush")
         state = self._unreduce_window(state)
         grads_like = self._accumulator.total(state.acc_grads)
         if params is not None:
@@ -385,6 +423,7 @@ class MultiSteps:
 
     def reset(self, state: MultiStepsState) -> MultiStepsState:
         """Drops the partial window; the inner optimizer state is kept."""
+        _check_state(state, "reset")
         return state._replace(
             mini_step=jnp.zeros_like(state.mini_step),
             acc_grads=self._accumulator.reset(state.acc_grads),
@@ -394,13 +433,12 @@ class MultiSteps:
 
     def stats(self, state: MultiStepsState) -> AccumulationStats:
         """Returns micro-batches seen, updates emitted and the window's fill."""
+        _check_state(state, "stats")
         return AccumulationStats(
             micro_steps=state.micro_steps,
             gradient_steps=state.gradient_step,
             window_fill=state.mini_step,
-            window_size=jnp.asarray(
-                self._every_k_schedule(state.gradient_step), jnp.int32
-            ),
+            window_size=jnp.asarray(self._window_size(state.gradient_step), jnp.int32),
             window_weight=self._window_total(state.acc_weight),
         )
 
@@ -489,13 +527,11 @@ class MultiSteps:
         already added to the window) whose buffers may hold the updates.
         """
 
-        def inner_update(acc, acc_weight, inner_state):
-            # The window's only cross-device traffic: one fused all-reduce of
-            # its unreduced sums, here inside the emission loop.
-            acc, acc_weight = _partials.reduce((acc, acc_weight), self._unreduced_axes)
+        def inner_update(acc, acc_weight, inner_state, pass_weight=True):
             grads = self._window_gradient(acc, acc_weight, grads_like)
+            weight_arg = {"weight": acc_weight} if pass_weight else {}
             new_updates, new_inner_state = self._opt.update(
-                grads, inner_state, params, weight=acc_weight, **extra_args
+                grads, inner_state, params, **weight_arg, **extra_args
             )
             # The loop carry must keep its dtypes; optax.MultiSteps casts the
             # same way (some optimizers promote their state on update).
@@ -506,8 +542,15 @@ class MultiSteps:
             )
             return new_updates, new_inner_state
 
-        updates_shape, _ = jax.eval_shape(
-            inner_update, state.acc_grads, state.acc_weight, state.inner_opt_state
+        # The inner optimizer sees the reduced window (per-device terms
+        # summed), so its shapes are taken on that.
+        reduced_window, reduced_weight = jax.eval_shape(
+            lambda acc, weight: _partials.reduce((acc, weight), self._unreduced_axes),
+            state.acc_grads,
+            state.acc_weight,
+        )
+        inner_update, updates_shape = _with_weight_if_accepted(
+            inner_update, reduced_window, reduced_weight, state.inner_opt_state
         )
         slots = _UpdateSlots(state.acc_grads, updates_shape)
 
@@ -517,17 +560,45 @@ class MultiSteps:
         # decode) would then run on every micro-step instead of once per
         # window.
         def emit_window(carry):
-            updates, rest, acc_weight, inner_state = carry
-            acc = slots.window(updates, rest)
-            new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
+            updates, rest, window_weight, inner_state, _ = carry
+            reset_window = slots.rest(
+                self._accumulator.reset(slots.window(updates, rest))
+            )
+            # The window's only cross-device traffic with `unreduced_axes`:
+            # one fused all-reduce of its per-device sums and its weight. Its
+            # leaves never hold updates (`_same_layout`), so the reduced copy
+            # aliases no update slot.
+            rest, acc_weight = _partials.reduce(
+                (rest, window_weight), self._unreduced_axes
+            )
+            # A window of zero weight (all padding, all skipped) closes
+            # without stepping the inner optimizer: adam's momentum would
+            # still move the params, adamw would decay them. A nested 0/1
+            # loop rather than a select keeps the inner state in place.
+            stepped = _window_has_weight(acc_weight)
+
+            # The window is threaded through the nested carry too: a
+            # closed-over integer window (ternary codes) would leak out of
+            # the differentiation rule of `run_if` as a tracer.
+            def step_inner(inner_carry):
+                updates, rest, acc_weight, inner_state = inner_carry
+                acc = slots.window(updates, rest)
+                new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
+                return jax.tree.leaves(new_updates), rest, acc_weight, inner_state
+
+            updates, _, _, inner_state = run_if(
+                stepped, step_inner, (updates, rest, acc_weight, inner_state)
+            )
             return (
-                jax.tree.leaves(new_updates),
-                slots.rest(self._accumulator.reset(acc)),
-                _tree.zeros_like(acc_weight),
+                # Not stepped, the slots still hold the (zero-weight) window.
+                [jnp.where(stepped, u, jnp.zeros((), u.dtype)) for u in updates],
+                reset_window,
+                _tree.zeros_like(window_weight),
                 inner_state,
+                stepped,
             )
 
-        updates, rest, acc_weight, inner_state = run_if(
+        updates, rest, acc_weight, inner_state, stepped = run_if(
             emit,
             emit_window,
             (
@@ -535,6 +606,7 @@ class MultiSteps:
                 slots.rest(state.acc_grads),
                 state.acc_weight,
                 state.inner_opt_state,
+                jnp.zeros([], jnp.bool_),
             ),
         )
         new_updates = slots.updates_tree(
@@ -548,9 +620,20 @@ class MultiSteps:
             inner_opt_state=inner_state,
             acc_grads=slots.window(updates, rest),
             acc_weight=acc_weight,
-            emitted=emit,
+            emitted=jnp.logical_and(emit, stepped),
         )
         return new_updates, new_state
+
+    def _window_size(self, gradient_step):
+        """Micro-batches in the window at ``gradient_step``: the schedule's k, >= 1.
+
+        A schedule returning k <= 0 is a bug that a traced k cannot report.
+        optax's MultiSteps then never emits again: training silently stops
+        while the window's sum grows without bound. Here such a k counts as
+        1 (every micro-batch is its own window), the nearest window that has
+        a meaning, and `stats` reports that 1.
+        """
+        return jnp.maximum(self._every_k_schedule(gradient_step), 1)
 
     def _window_gradient(self, acc, acc_weight, grads_like):
         """The window's weighted mean (or sum), in the gradients' dtypes."""
@@ -631,14 +714,49 @@ class _UpdateSlots:
         return self._updates_def.unflatten(updates)
 
 
+def _with_weight_if_accepted(inner_update, *args):
+    """``(inner_update, its updates' shapes)``, ``weight=`` dropped if rejected.
+
+    ``inner_update(*args, pass_weight)`` runs the inner optimizer with the
+    window weight as the extra argument ``weight`` or without it. Most
+    transformations ignore extra arguments they do not use, but some reject
+    them: optax's line searches (in `optax.lbfgs`) forward every extra
+    argument to ``value_fn`` and raise a TypeError naming ``weight``, and a
+    plain function without ``**kwargs`` raises one too. Those get no
+    weight; everything else (`average_across_devices` in particular) does.
+    Both are decided at trace time, by shape evaluation only.
+    """
+    try:
+        updates_shape, _ = jax.eval_shape(inner_update, *args)
+        return inner_update, updates_shape
+    except TypeError as error:
+        if "weight" not in str(error):
+            raise
+    without_weight = functools.partial(inner_update, pass_weight=False)
+    updates_shape, _ = jax.eval_shape(without_weight, *args)
+    return without_weight, updates_shape
+
+
 def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
-    # An unreduced window leaf never holds an update: the loop carry keeps
-    # its type, and an update is a reduced value.
+    """Whether ``leaf``'s buffer can hold an update of ``shape``.
+
+    The loop carry keeps the type of its initial value, so the types must
+    agree too. An unreduced window leaf never holds an update (an update is
+    a reduced value). Inside ``shard_map``, ``leaf`` must vary over no mesh
+    axis the update does not vary over: an update that is the same on every
+    device (after an `average_across_devices` in the inner chain) must stay
+    typed so, or params updated with it could not be returned with
+    ``out_specs=P()``.
+    """
     return (
         jnp.shape(leaf),
         jnp.result_type(leaf),
         _tree.unreduced_axes(leaf),
-    ) == (shape.shape, shape.dtype, _tree.unreduced_axes(shape))
+    ) == (
+        shape.shape,
+        shape.dtype,
+        _tree.unreduced_axes(shape),
+    ) and varying_axes(leaf) <= varying_axes(shape)
 
 
 def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
@@ -652,6 +770,38 @@ def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
     if leaf is not None and _same_layout(leaf, shape):
         return leaf
     return jnp.zeros(shape.shape, shape.dtype)
+
+
+def _window_has_weight(acc_weight: jax.Array) -> jax.Array:
+    """Whether a closing window steps the inner optimizer, alike on all devices.
+
+    Devices that average inside the inner optimizer must decide alike, or
+    the one whose own window is empty keeps its state while the others
+    apply the averaged update, and they diverge. Inside ``shard_map`` the
+    weight's type says which mesh axes it varies over: the decision is
+    taken on its sum over them (one scalar psum, at the emitting call).
+    Where mapped axes are bound but the weight has no such type (``pmap``,
+    ``shard_map(check_vma=False)``), nothing tells which axes the devices
+    share: every closing window steps (the empty one with a zero gradient,
+    which is the right thing when the inner optimizer averages). Without
+    mapped axes the window's own weight decides.
+    """
+    axes = tuple(sorted(varying_axes(acc_weight)))
+    if axes:
+        return jax.lax.psum(acc_weight, axes) > 0
+    if any_mapped_axis_bound():
+        return jnp.asarray(True)
+    return acc_weight > 0
+
+
+def _check_state(state: Any, method: str) -> None:
+    """Raises unless ``state`` looks like a `MultiStepsState`."""
+    if not all(hasattr(state, field) for field in ("mini_step", "acc_grads")):
+        raise ValueError(
+            f"MultiSteps.{method}: `state` must be the MultiStepsState returned "
+            "by `init(params)` (or by the previous update), got "
+            f"{type(state).__name__}. Call `init` first and pass its result."
+        )
 
 
 def _skip_function(
@@ -769,7 +919,7 @@ def accumulate(
         )
         use_grad_mean = _checks.boolean("average", average)
     if not callable(every_k):
-        _checks.positive_int("every_k", every_k)
+        _checks.window_size("every_k", every_k)
     return MultiSteps(
         opt,
         every_k,

@@ -41,6 +41,28 @@ def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraA
     Inside ``MultiSteps`` or ``accumulate`` the reduction runs once per
     window, at the emitting step, with ``weight=`` the window's total
     weight, so a device counts by the examples it saw in the whole window.
+    Under ``shard_map`` with ``check_vma=True`` the emitted updates are
+    then typed device-invariant, and the params can leave the map
+    replicated, when the emitting decision is invariant too: give the
+    state's counters and inner state ``P()`` and only the window sum
+    ``P(axis_name)``::
+
+      state_specs = MultiStepsState(
+          mini_step=P(), gradient_step=P(), inner_opt_state=P(),
+          acc_grads=P(axis_name), skip_state=P(), acc_weight=P(),
+          micro_steps=P(), emitted=P())
+      step = jax.shard_map(
+          train_step, mesh=mesh,
+          in_specs=(P(), state_specs, P(axis_name)),  # params, state, batch
+          out_specs=(P(), state_specs))
+
+    Here each device's ``acc_grads`` block is its own window sum (the
+    global array stacks them along the first axis). These specs are for
+    windows without per-device weights or skip function: a ``weight=``
+    that differs between devices makes ``acc_weight`` differ, a skip
+    function makes the counters differ, and such leaves cannot be ``P()``:
+    keep the state inside the map (a scan over the steps) or give it a
+    leading device axis under ``P(axis_name)``.
 
     Use it inside ``jax.pmap(..., axis_name=axis_name)`` or inside
     ``jax.shard_map`` over a mesh axis named ``axis_name`` with the batch

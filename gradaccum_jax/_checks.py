@@ -23,6 +23,21 @@ def positive_int(name: str, value: Any) -> int:
     return _integer_at_least(name, value, 1)
 
 
+# Window sizes and step counters are int32 arrays inside the state.
+_MAX_INT32 = 2**31 - 1
+
+
+def window_size(name: str, value: Any) -> int:
+    """Returns ``value`` as an int, or raises unless it is in [1, 2**31 - 1]."""
+    value = _integer_at_least(name, value, 1)
+    if value > _MAX_INT32:
+        raise ValueError(
+            f"`{name}` must be an integer in [1, {_MAX_INT32}] (2**31 - 1): the "
+            f"window's counters are int32, got {value}."
+        )
+    return value
+
+
 def nonnegative_int(name: str, value: Any) -> int:
     """Returns ``value`` as an int, or raises if it is not an integer >= 0."""
     return _integer_at_least(name, value, 0)
@@ -39,8 +54,20 @@ def _integer_at_least(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def positive_finite(name: str, value: Any) -> float:
-    """Returns ``value`` as a float, or raises if it is not finite and > 0."""
+def positive_finite(name: str, value: Any) -> Any:
+    """Returns ``value`` as a float, or raises if it is not finite and > 0.
+
+    A traced scalar (a hyperparameter under ``optax.inject_hyperparams``
+    inside ``jax.jit``) has no value to check at construction and is
+    returned as it is: the check covers what is concrete.
+    """
+    if isinstance(value, jax.core.Tracer):
+        if np.ndim(value) != 0:
+            raise ValueError(
+                f"`{name}` must be a positive finite scalar, got a traced array "
+                f"of shape {np.shape(value)}."
+            )
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         if isinstance(value, jax.Array | np.ndarray) and np.ndim(value) == 0:
             value = float(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -28,6 +29,10 @@ def run_if(pred: jax.Array, fn: Callable[[Carry], Carry], carry: Carry) -> Carry
     in the mesh axes they vary over (zeros or a psum result are the same on
     every device, a gradient is not); both are marked as varying over the
     union, which moves no data.
+
+    Under differentiation (``jax.jvp``, ``jax.grad``, meta-gradients through
+    an unrolled training loop) it behaves as ``lax.cond``: a while loop has
+    no reverse-mode derivative, a cond has one (see `_run_if_jvp`).
     """
     axes = jax.tree.map(
         lambda before, after: varying_axes(before) | varying_axes(after),
@@ -36,10 +41,42 @@ def run_if(pred: jax.Array, fn: Callable[[Carry], Carry], carry: Carry) -> Carry
     )
     carry = jax.tree.map(vary_over, carry, axes)
 
+    def varied_fn(inner: Carry) -> Carry:
+        return jax.tree.map(vary_over, fn(inner), axes)
+
+    # The closed-over values ``fn`` reads (params, a learning rate) become
+    # explicit operands: a custom_jvp rule cannot differentiate with respect
+    # to values it does not see.
+    converted_fn, consts = jax.closure_convert(varied_fn, carry)
+    return _run_if(converted_fn, pred, carry, consts)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _run_if(fn, pred, carry, consts):
     def body(trips_and_carry):
         trips, inner = trips_and_carry
-        return trips - 1, jax.tree.map(vary_over, fn(inner), axes)
+        return trips - 1, fn(inner, *consts)
 
     trips = jnp.asarray(pred, jnp.int32)
     _, carry = jax.lax.while_loop(lambda tc: tc[0] > 0, body, (trips, carry))
     return carry
+
+
+@_run_if.defjvp
+def _run_if_jvp(fn, primals, tangents):
+    """Differentiates as ``lax.cond``: JAX cannot transpose a while loop.
+
+    The rule only runs under differentiation (jvp, grad, vjp), so the
+    buffer copies of ``lax.cond`` are paid there only; JAX linearizes and
+    transposes ``lax.cond``, and its backward pass runs the taken branch
+    only, so a branch that was not taken cannot put a NaN (0 * inf from
+    ``sqrt`` at 0, say) into the gradient. The predicate is not
+    differentiable and its tangent is ignored.
+    """
+    pred, carry, consts = primals
+    _, carry_dot, consts_dot = tangents
+
+    def as_cond(carry, consts):
+        return jax.lax.cond(pred, lambda c: fn(c, *consts), lambda c: c, carry)
+
+    return jax.jvp(as_cond, (carry, consts), (carry_dot, consts_dot))

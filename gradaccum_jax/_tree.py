@@ -126,3 +126,18 @@ def reduce_unreduced(tree: Any) -> Any:
     for i, value in zip(todo, reduced, strict=True):
         leaves[i] = value
     return treedef.unflatten(leaves)
+
+
+def any_mapped_axis_bound() -> bool:
+    """Whether the code is traced under ``pmap``, ``shard_map`` or a named vmap.
+
+    JAX has no public query for it; where its internals differ, the answer
+    is True, the cautious one for the callers (they then assume that other
+    devices may see other values).
+    """
+    try:
+        from jax._src import core  # noqa: PLC0415
+
+        return bool(core.get_axis_env().axis_sizes)
+    except (ImportError, AttributeError):
+        return True

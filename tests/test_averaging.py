@@ -516,3 +516,50 @@ def test_shard_map_inner_output_replicated_over_devices(mesh):
     expected = -np.asarray(grads).mean(axis=0)
     np.testing.assert_allclose(updates, np.tile(expected, (N_DEVICES, 1)), rtol=1e-6)
     np.testing.assert_array_equal(weights, np.zeros(N_DEVICES))
+
+
+def test_shard_map_params_come_out_replicated_after_accumulation(mesh):
+    """With check_vma (the default) the updates of MultiSteps(chain(
+    average_across_devices, ...)) are typed device-invariant, so the params
+    can be returned with out_specs=P(). The state's window sum is per device
+    (P("d")); its counters and the inner state are the same everywhere (P()),
+    which keeps the emitting decision, and so the updates, invariant."""
+    tx = ga.MultiSteps(
+        optax.chain(ga.average_across_devices("d"), optax.sgd(1.0, momentum=0.5)), 2
+    )
+    params = {"w": jnp.zeros((3,))}
+    state_specs = ga.MultiStepsState(
+        mini_step=P(),
+        gradient_step=P(),
+        inner_opt_state=P(),
+        acc_grads=P("d"),
+        skip_state=P(),
+        acc_weight=P(),
+        micro_steps=P(),
+        emitted=P(),
+    )
+
+    def step(params, state, grads):
+        updates, state = tx.update({"w": grads}, state, params)
+        return optax.apply_updates(params, updates), state
+
+    train_step = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), state_specs, P("d")),
+            out_specs=(P(), state_specs),
+        )
+    )
+    state = tx.init(params)
+    # The global window sum: one (3,) block per device.
+    state = state._replace(acc_grads={"w": jnp.zeros((N_DEVICES * 3,))})
+    grads = jnp.arange(N_DEVICES * 2 * 3, dtype=jnp.float32).reshape(2, -1)
+    params, state = train_step(params, state, grads[0])
+    params, state = train_step(params, state, grads[1])
+    np.testing.assert_allclose(
+        params["w"],
+        -np.asarray(grads).reshape(2 * N_DEVICES, 3).mean(axis=0),
+        rtol=1e-6,
+    )
+    assert bool(state.emitted)

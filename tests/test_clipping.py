@@ -370,3 +370,31 @@ def test_logged_window_norm_is_the_last_emitted_windows_between_emissions():
         (3.5, True, False),
         (15.0, True, True),
     ]
+
+
+# --- injected (traced) thresholds ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "argument"),
+    [(ga.clip_by_global_norm, "max_norm"), (ga.clip, "max_delta")],
+)
+def test_threshold_injected_as_a_schedule_works_under_jit(make, argument):
+    # optax.inject_hyperparams calls the constructor inside the traced
+    # update with the threshold as a tracer: there is nothing concrete to
+    # check, and the value must pass through (it used to fail in float()).
+    tx = optax.inject_hyperparams(make)(**{argument: lambda step: 1.0 + step})
+    grads = {"w": jnp.array([3.0, 4.0])}  # norm 5
+    state = tx.init(grads)
+    update = jax.jit(tx.update)
+    updates, state = update(grads, state)
+    expected = optax.inject_hyperparams(getattr(optax, make.__name__))(
+        **{argument: lambda step: 1.0 + step}
+    )
+    expected_updates, _ = jax.jit(expected.update)(grads, expected.init(grads))
+    np.testing.assert_array_equal(updates["w"], expected_updates["w"])
+    updates, state = update(grads, state)  # threshold 2 now
+    if make is ga.clip_by_global_norm:
+        np.testing.assert_allclose(updates["w"], [1.2, 1.6], rtol=1e-6)
+    else:
+        np.testing.assert_array_equal(updates["w"], [2.0, 2.0])

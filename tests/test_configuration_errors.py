@@ -67,6 +67,7 @@ POSITIVE_FINITE = r"positive finite"
 FLOAT_DTYPE = r"floating dtype"
 AXIS_NAME = r"non-empty string"
 CODE_SUM_LIMIT = r"<= 32767"
+WINDOW_RANGE = r"integer in \[1, 2147483647\]"
 BOOL = r"a bool"
 CALLABLE = r"callable"
 TRANSFORMATION = r"GradientTransformation"
@@ -95,6 +96,9 @@ TABLE: list[Row] = [
     # Accumulation windows.
     Row("MultiSteps", "every_k_schedule", BAD_COUNTS + (np.int64(0),), INTEGER_GE_1),
     Row("accumulate", "every_k", BAD_COUNTS, INTEGER_GE_1),
+    # The window's counters are int32: 2**40 used to fail later, in `update`.
+    *_rows_for(("MultiSteps",), "every_k_schedule", (2**31, 2**40), WINDOW_RANGE),
+    Row("accumulate", "every_k", (2**31, 2**40), WINDOW_RANGE),
     Row("ternary_accumulate", "every_k", BAD_COUNTS, INTEGER_GE_1),
     Row("ternary_accumulate", "every_k", (32768, 10**6), CODE_SUM_LIMIT),
     Row("ternary_accumulate", "max_every_k", (0, -1, 2.5, "8"), INTEGER_GE_1),

@@ -34,6 +34,43 @@ def test_multisteps_without_skip_function_spoils_one_window():
     assert outputs[2:] == [0.0, -3.0]
 
 
+def test_multisteps_of_adam_is_spoiled_for_good_by_one_nan_micro_batch():
+    # The accumulator is reset, but the NaN window's mean reaches adam's
+    # moments, and every later update is NaN: only a stateless optimizer
+    # (sgd above) recovers by itself.
+    outputs, state = feed(ga.MultiSteps(optax.adam(0.1), 2), [NAN, 1.0, 2.0, 4.0])
+    assert np.isnan(outputs[1]) and np.isnan(outputs[3])
+    assert np.isnan(float(state.inner_opt_state[0].mu["a"]))
+
+
+def test_remedies_keep_adam_finite():
+    values = [NAN, 1.0, 2.0, 4.0, 1.0]
+    adam = optax.adam(0.1)
+    # Dropped (window of 2 accepted micro-batches: 1, 2 | 4, 1).
+    dropped, _ = feed(ga.MultiSteps(adam, 2, skip_nonfinite=True), values)
+    # Dropped before it reaches the accumulator, by optax.
+    outside, _ = feed(
+        optax.apply_if_finite(ga.MultiSteps(adam, 2).gradient_transformation(), 5),
+        values,
+    )
+    # Counted with weight 0 (windows of 2 calls: NaN, 1 | 2, 4 | 1).
+    in_place, _ = feed(ga.accumulate(adam, 2, skip_nonfinite=True), values)
+
+    def adam_on(*means):
+        updates, state = [], adam.init({"a": jnp.zeros([])})
+        for mean in means:
+            update, state = adam.update({"a": jnp.asarray(mean)}, state)
+            updates.append(float(update["a"]))
+        return updates
+
+    first, second = adam_on(1.5, 2.5)
+    np.testing.assert_allclose(dropped, [0.0, 0.0, first, 0.0, second], rtol=1e-6)
+    np.testing.assert_allclose(outside, dropped, rtol=1e-6)
+    first, second = adam_on(1.0, 3.0)
+    np.testing.assert_allclose(in_place, [0.0, first, 0.0, second, 0.0], rtol=1e-6)
+    assert np.all(np.isfinite(dropped + outside + in_place))
+
+
 def test_multisteps_skip_not_finite_drops_the_micro_batch():
     tx = ga.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=ga.skip_not_finite)
     outputs, state = feed(tx, [1.0, NAN, 3.0])
