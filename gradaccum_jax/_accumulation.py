@@ -784,14 +784,16 @@ def _window_has_weight(acc_weight: jax.Array) -> jax.Array:
     ``shard_map(check_vma=False)``), nothing tells which axes the devices
     share: every closing window steps (the empty one with a zero gradient,
     which is the right thing when the inner optimizer averages). Without
-    mapped axes the window's own weight decides.
+    mapped axes the window's own weight decides. ``!= 0`` rather than
+    ``> 0``: a NaN weight (a negative one under jit) must step, so that the
+    update comes out NaN, loudly wrong, instead of silently skipped.
     """
     axes = tuple(sorted(varying_axes(acc_weight)))
     if axes:
-        return jax.lax.psum(acc_weight, axes) > 0
+        return jax.lax.psum(acc_weight, axes) != 0
     if any_mapped_axis_bound():
         return jnp.asarray(True)
-    return acc_weight > 0
+    return acc_weight != 0
 
 
 def _check_state(state: Any, method: str) -> None:
