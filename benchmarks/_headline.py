@@ -1,8 +1,8 @@
 """Headline figures that a benchmark hands to ``run_all.py``.
 
 Each figure is a ratio or a difference measured in one run, with the target
-it must not exceed, so that one summary table and one plot can cover every
-benchmark.
+it must not exceed, so that one summary table can cover every benchmark;
+the measurements behind them travel alongside, for the plots.
 """
 
 from __future__ import annotations
@@ -19,8 +19,17 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def write(path: str | None, benchmark: str, figures: dict[str, tuple]) -> None:
-    """Writes ``{name: (measured, target)}``; met means measured <= target."""
+def write(
+    path: str | None,
+    benchmark: str,
+    figures: dict[str, tuple],
+    data: dict | None = None,
+) -> None:
+    """Writes ``{name: (measured, target)}``; met means measured <= target.
+
+    ``data``, if given, is written as is under ``"data"``: the measurements
+    behind the figures, for the plots of ``run_all.py``.
+    """
     if path is None:
         return
     with open(path, "w") as file:
@@ -31,6 +40,7 @@ def write(path: str | None, benchmark: str, figures: dict[str, tuple]) -> None:
                     {"name": name, "measured": float(measured), "target": float(target)}
                     for name, (measured, target) in figures.items()
                 ],
+                "data": data or {},
             },
             file,
             indent=2,

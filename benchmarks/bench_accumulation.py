@@ -7,7 +7,12 @@ emitting step and of a whole window, and the compiled temporary bytes
 (``memory_analysis().temp_size_in_bytes``). The floor is a donated
 ``acc += g`` over the same params: the least any accumulator can do.
 
-Run: ``python benchmarks/bench_accumulation.py [--params 16000000] [--k 8]``
+``--sweep-params`` repeats the measurement at several parameter counts and
+``--sweep-k`` at several window lengths (same code path, one row per point);
+``--json`` then also carries every point, for ``run_all.py``'s plots.
+
+Run: ``python benchmarks/bench_accumulation.py [--params 16000000] [--k 8]
+[--sweep-params 1e6,4e6,16e6,64e6] [--sweep-k 2,4,8,16]``
 """
 
 from __future__ import annotations
@@ -93,83 +98,149 @@ def summarize(times: list[float], k: int) -> tuple[float, float, float]:
     return statistics.median(micro), statistics.median(emit), statistics.median(window)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=16_000_000)
-    parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--windows", type=int, default=5)
-    _headline.add_argument(parser)
-    args = parser.parse_args()
+IMPLEMENTATIONS = ("optax.MultiSteps", "gradaccum_jax.MultiSteps")
 
-    params = make_params(args.params)
+
+def measure_point(num_params: int, k: int, windows: int) -> dict[str, dict]:
+    """Times and compiled temporaries of every implementation at one size.
+
+    Returns ``{name: {"micro_s", "emit_s", "window_s", "temp_bytes"}}`` for
+    the two implementations, and ``{"micro_s", "temp_bytes"}`` for "floor".
+    """
+    params = make_params(num_params)
     grads = make_grads(params)
-    k = args.k
     inner = optax.adam(1e-3)
-    contenders = {
+    transformations = {
         "optax.MultiSteps": optax.MultiSteps(inner, k).gradient_transformation(),
         "gradaccum_jax.MultiSteps": gradaccum_jax.MultiSteps(
             inner, k
         ).gradient_transformation(),
     }
-
     runners = {
         name: Contender(
-            train_step_fn(tx), (make_params(args.params), tx.init(params)), grads
+            train_step_fn(tx), (make_params(num_params), tx.init(params)), grads
         )
-        for name, tx in contenders.items()
+        for name, tx in transformations.items()
     }
-    runners["floor"] = Contender(floor_fn(), (make_params(args.params),), grads)
-    measure(runners, k, args.windows)
-    rows = {
-        name: (
-            *summarize(runners[name].times, k),
-            temp_bytes(train_step_fn(tx), params, tx.init(params), grads),
-        )
-        for name, tx in contenders.items()
+    runners["floor"] = Contender(floor_fn(), (make_params(num_params),), grads)
+    measure(runners, k, windows)
+    point = {}
+    for name, tx in transformations.items():
+        micro, emit, window = summarize(runners[name].times, k)
+        point[name] = {
+            "micro_s": micro,
+            "emit_s": emit,
+            "window_s": window,
+            "temp_bytes": temp_bytes(train_step_fn(tx), params, tx.init(params), grads),
+        }
+    point["floor"] = {
+        "micro_s": statistics.median(runners["floor"].times),
+        "temp_bytes": temp_bytes(floor_fn(), params, grads),
     }
-    floor = statistics.median(runners["floor"].times)
-    floor_temp = temp_bytes(floor_fn(), params, grads)
+    return point
 
-    ref = rows["optax.MultiSteps"]
-    ours = rows["gradaccum_jax.MultiSteps"]
+
+def print_point(num_params: int, k: int, point: dict[str, dict]) -> None:
     mib = 2**20
-    print(
-        f"# accumulation: {args.params / 1e6:.0f}M float32 params, adam, k={k}, "
-        f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()}, "
-        f"{jax.device_count()} device(s)), jax {jax.__version__}, "
-        f"optax {optax.__version__}"
-    )
-    print()
+    print(f"\n## {num_params / 1e6:g}M float32 params, adam, k={k}\n")
     print(
         "| implementation | micro-step (ms) | emitting step (ms) | window (ms) "
         "| temporaries (MiB) |"
     )
     print("|---|---:|---:|---:|---:|")
-    for name, (micro, emit, window, temp) in rows.items():
+    for name in IMPLEMENTATIONS:
+        row = point[name]
         print(
-            f"| {name} | {micro * 1e3:.1f} | {emit * 1e3:.1f} | {window * 1e3:.1f} "
-            f"| {temp / mib:.1f} |"
+            f"| {name} | {row['micro_s'] * 1e3:.1f} | {row['emit_s'] * 1e3:.1f} "
+            f"| {row['window_s'] * 1e3:.1f} | {row['temp_bytes'] / mib:.1f} |"
         )
+    floor = point["floor"]
     print(
-        f"| floor: donated `acc += g` | {floor * 1e3:.1f} | | "
-        f"| {floor_temp / mib:.1f} |"
+        f"| floor: donated `acc += g` | {floor['micro_s'] * 1e3:.1f} | | "
+        f"| {floor['temp_bytes'] / mib:.1f} |"
     )
-    print()
-    print("| ratio | measured | target |")
-    print("|---|---:|---:|")
-    print(f"| micro-step, ours / optax | {ours[0] / ref[0]:.2f} | <= 0.30 |")
-    print(f"| micro-step, ours / floor | {ours[0] / floor:.2f} | <= 5.00 |")
-    print(f"| window, ours / optax | {ours[2] / ref[2]:.2f} | <= 0.50 |")
-    print(f"| temporaries, ours / optax | {ours[3] / max(ref[3], 1):.2f} | <= 1.00 |")
+    ours, ref = point["gradaccum_jax.MultiSteps"], point["optax.MultiSteps"]
+    print(
+        f"\nours / optax: micro-step {ours['micro_s'] / ref['micro_s']:.2f}, "
+        f"window {ours['window_s'] / ref['window_s']:.2f}, temporaries "
+        f"{ours['temp_bytes'] / max(ref['temp_bytes'], 1):.2f}; ours / floor: "
+        f"micro-step {ours['micro_s'] / floor['micro_s']:.2f}"
+    )
+
+
+def counts(text: str) -> list[int]:
+    """``"1e6,4e6"`` -> ``[1000000, 4000000]``."""
+    return [int(float(item)) for item in text.split(",") if item]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--params", type=lambda text: int(float(text)), default=16_000_000
+    )
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument(
+        "--sweep-params",
+        type=counts,
+        default=[],
+        metavar="N,N,...",
+        help="also measure at these parameter counts (window length --k)",
+    )
+    parser.add_argument(
+        "--sweep-k",
+        type=counts,
+        default=[],
+        metavar="K,K,...",
+        help="also measure at these window lengths (--params parameters)",
+    )
+    _headline.add_argument(parser)
+    args = parser.parse_args()
+    print(
+        f"# accumulation: {jax.devices()[0].platform} "
+        f"({platform.processor() or platform.machine()}, "
+        f"{jax.device_count()} device(s)), jax {jax.__version__}, "
+        f"optax {optax.__version__}; median of {args.windows} windows"
+    )
+
+    points: dict[tuple[int, int], dict] = {}
+
+    def point_at(num_params: int, k: int) -> dict:
+        if (num_params, k) not in points:
+            points[num_params, k] = measure_point(num_params, k, args.windows)
+            print_point(num_params, k, points[num_params, k])
+        return points[num_params, k]
+
+    head = point_at(args.params, args.k)
+    sweep_params = [
+        {"params": n, "k": args.k, **point_at(n, args.k)} for n in args.sweep_params
+    ]
+    sweep_k = [
+        {"params": args.params, "k": k, **point_at(args.params, k)}
+        for k in args.sweep_k
+    ]
+
+    ours, ref = head["gradaccum_jax.MultiSteps"], head["optax.MultiSteps"]
+    floor = head["floor"]
     _headline.write(
         args.json,
         "accumulation",
         {
-            "micro-step, ours / optax.MultiSteps": (ours[0] / ref[0], 0.3),
-            "micro-step, ours / floor": (ours[0] / floor, 5.0),
-            "window, ours / optax.MultiSteps": (ours[2] / ref[2], 0.5),
-            "temporaries, ours / optax.MultiSteps": (ours[3] / max(ref[3], 1), 1.0),
+            "micro-step, ours / optax.MultiSteps": (
+                ours["micro_s"] / ref["micro_s"],
+                0.3,
+            ),
+            "micro-step, ours / floor": (ours["micro_s"] / floor["micro_s"], 5.0),
+            "window, ours / optax.MultiSteps": (
+                ours["window_s"] / ref["window_s"],
+                0.5,
+            ),
+            "temporaries, ours / optax.MultiSteps": (
+                ours["temp_bytes"] / max(ref["temp_bytes"], 1),
+                1.0,
+            ),
         },
+        data={"sweep_params": sweep_params, "sweep_k": sweep_k},
     )
 
 

@@ -285,6 +285,14 @@ def main() -> None:
             "temp memory, m=8 / full batch": (eight_bytes / full_bytes, 0.35),
             "step time, m=8 / full batch": (eight_seconds / full_seconds, 1.3),
         },
+        data={
+            "microbatches": [0, *MICROBATCH_COUNTS],  # 0: the full batch
+            "temp_bytes": [row[1] for row in rows],
+            "step_s": [row[2] for row in rows],
+            "batch": args.batch,
+            "model": f"MLP {args.in_dim} -> {args.depth} x {args.width} -> "
+            f"{args.classes}, {param_bytes / 2**20:.1f} MiB of params",
+        },
     )
 
 

@@ -1,11 +1,22 @@
-"""Runs every benchmark, prints one markdown summary and writes a PNG plot.
+"""Runs every benchmark, prints their tables and targets, draws the plots.
 
-Each benchmark runs in its own process (the ternary and sharded ones need 8
-emulated devices, the others one) and prints its full table; this script then prints
-the headline figures of all of them side by side, each against its target,
-and plots them as fractions of their targets.
+Each benchmark runs in its own process (those on several emulated devices,
+bench_ternary.py and bench_sharded.py among them,
+need their own XLA flags) and prints its full table; this script then
+prints the headline figures against their targets, as text, and draws, for
+users, how much faster and lighter gradaccum_jax is than what it replaces
+and how that grows, into ``benchmarks/plots/``:
 
-Run: ``python benchmarks/run_all.py [--plot benchmarks/results.png] [--quick]``
+- ``accumulation_params.png``: micro-step time and compiled temporary
+  memory against parameter count, ours, ``optax.MultiSteps`` and the floor;
+- ``accumulation_k.png``: window time against k, ours and optax;
+- ``microbatch_memory.png``: temporary memory against micro-batches;
+- ``wire_bytes.png``: all-reduce bytes of a float32 and a ternary mean
+  against device count;
+- ``ternary_accuracy.png``: test accuracy against steps, ternary and
+  float32.
+
+Run: ``python benchmarks/run_all.py [--quick] [--plots DIR]``
 """
 
 from __future__ import annotations
@@ -13,49 +24,52 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
 # (script, arguments for a full run, arguments for a quick check)
 BENCHMARKS = (
-    ("bench_accumulation.py", [], ["--params", "2000000", "--windows", "2"]),
+    (
+        "bench_accumulation.py",
+        ["--sweep-params", "1e6,4e6,16e6,64e6", "--sweep-k", "2,4,8,16,32"],
+        ["--params", "1e6", "--windows", "2"]
+        + ["--sweep-params", "1e6,4e6", "--sweep-k", "2,4,8"],
+    ),
     ("bench_microbatch.py", [], ["--batch", "2048", "--repeats", "3"]),
     ("bench_ternary.py", [], ["--seeds", "1", "--epochs", "5"]),
     ("bench_sharded.py", [], ["--repeats", "2"]),
+    ("bench_wire_bytes.py", [], []),
+    ("bench_ternary_curve.py", [], ["--seeds", "1", "--epochs", "1,2,5"]),
 )
 
 
 def machine() -> str:
-    """The machine the figures come from, in words."""
+    """The machine the figures come from, in words, for the plot titles."""
     import jax
 
-    device = jax.devices()[0]
-    return (
-        f"{platform.machine()} {device.platform} ({device.device_kind}), "
-        f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-        f"jax {jax.__version__}"
-    )
+    return f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores"
 
 
 def run_benchmark(script: str, arguments: list[str], json_path: Path) -> dict:
     command = [sys.executable, str(HERE / script), *arguments, "--json", str(json_path)]
     print(f"$ {' '.join(command[1:])}", flush=True)
+    start = time.monotonic()
     subprocess.run(command, check=True)
-    print(flush=True)
+    print(f"({script}: {time.monotonic() - start:.0f} s)\n", flush=True)
     return json.loads(json_path.read_text())
 
 
-def summary_table(results: list[dict]) -> str:
+def targets_table(results: dict[str, dict]) -> str:
     lines = [
         "| benchmark | figure | measured | target | met |",
         "|---|---|---:|---:|:---:|",
     ]
-    for result in results:
+    for result in results.values():
         for figure in result["figures"]:
             met = "yes" if figure["measured"] <= figure["target"] else "**no**"
             lines.append(
@@ -65,50 +79,78 @@ def summary_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+def ratios_table(sweep: list[dict], key: str) -> str:
+    """Ours / optax at each point of a sweep: micro-step, window, temporaries."""
+    lines = [
+        f"| {key} | micro-step ours / optax | window ours / optax "
+        "| temporaries ours / optax | micro-step ours / floor |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for point in sweep:
+        ours, ref = point["gradaccum_jax.MultiSteps"], point["optax.MultiSteps"]
+        size = f"{point[key] / 1e6:g}M" if key == "params" else str(point[key])
+        lines.append(
+            f"| {size} | {ours['micro_s'] / ref['micro_s']:.2f} "
+            f"| {ours['window_s'] / ref['window_s']:.2f} "
+            f"| {ours['temp_bytes'] / max(ref['temp_bytes'], 1):.3f} "
+            f"| {ours['micro_s'] / point['floor']['micro_s']:.2f} |"
+        )
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    names, fractions, colors = [], [], []
-    for result in results:
-        for figure in result["figures"]:
-            names.append(f"{result['benchmark']}: {figure['name']}")
-            # Accuracy losses may be negative (ternary better than float32).
-            fractions.append(max(figure["measured"], 0.0) / figure["target"])
-            met = figure["measured"] <= figure["target"]
-            colors.append("tab:green" if met else "tab:red")
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.5))
-    ax.barh(names[::-1], fractions[::-1], color=colors[::-1])
-    ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
-    ax.set_xlabel("measured / target (left of the dashed line: target met)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def draw(results: dict[str, dict], out: Path, where: str) -> list[Path]:
+    import _plots
+
+    accumulation = results["bench_accumulation.py"]["data"]
+    return [
+        _plots.accumulation_vs_params(
+            accumulation["sweep_params"], out / "accumulation_params.png", where
+        ),
+        _plots.window_vs_k(accumulation["sweep_k"], out / "accumulation_k.png", where),
+        _plots.microbatch_memory(
+            results["bench_microbatch.py"]["data"],
+            out / "microbatch_memory.png",
+            where,
+        ),
+        _plots.wire_bytes(
+            results["bench_wire_bytes.py"]["data"], out / "wire_bytes.png", where
+        ),
+        _plots.ternary_accuracy(
+            results["bench_ternary_curve.py"]["data"],
+            out / "ternary_accuracy.png",
+            where,
+        ),
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plot", type=Path, default=HERE / "results.png")
+    parser.add_argument("--plots", type=Path, default=HERE / "plots")
     parser.add_argument(
         "--quick", action="store_true", help="small sizes: checks the plumbing"
     )
     args = parser.parse_args()
 
-    results = []
+    start = time.monotonic()
+    results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for script, full, quick in BENCHMARKS:
             json_path = Path(scratch) / f"{script}.json"
-            results.append(
-                run_benchmark(script, quick if args.quick else full, json_path)
+            results[script] = run_benchmark(
+                script, quick if args.quick else full, json_path
             )
     where = machine()
-    print(f"## Summary ({where})\n")
-    print(summary_table(results))
-    plot(results, args.plot, where)
-    print(f"\nplot: {args.plot}")
+    accumulation = results["bench_accumulation.py"]["data"]
+    print(f"## Accumulation, ours / optax.MultiSteps by model size ({where})\n")
+    print(ratios_table(accumulation["sweep_params"], "params"))
+    print(f"\n## Accumulation, ours / optax.MultiSteps by k ({where})\n")
+    print(ratios_table(accumulation["sweep_k"], "k"))
+    print(f"\n## Targets ({where})\n")
+    print(targets_table(results))
+    print()
+    for path in draw(results, args.plots, where):
+        print(f"plot: {path}")
+    print(f"total: {time.monotonic() - start:.0f} s")
 
 
 if __name__ == "__main__":

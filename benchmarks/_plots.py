@@ -1,0 +1,163 @@
+"""The plots of ``run_all.py``: how much faster and lighter, and how it grows.
+
+Each function takes the ``data`` a benchmark wrote with ``_headline.write``
+and draws one PNG with matplotlib's Agg backend (no display needed); the
+machine goes in the title, since absolute figures depend on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+OURS, OPTAX, FLOOR = "gradaccum_jax.MultiSteps", "optax.MultiSteps", "floor"
+STYLE = {
+    OURS: {"color": "tab:blue", "marker": "o", "label": "gradaccum_jax.MultiSteps"},
+    OPTAX: {"color": "tab:orange", "marker": "s", "label": "optax.MultiSteps"},
+    FLOOR: {
+        "color": "gray",
+        "marker": "^",
+        "linestyle": "--",
+        "label": "floor: jitted, donated acc += g",
+    },
+}
+MIB = 2**20
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def accumulation_vs_params(sweep: list[dict], path: Path, where: str) -> Path:
+    """Micro-step time and compiled temporaries against parameter count."""
+    params = [point["params"] for point in sweep]
+    k = sweep[0]["k"]
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in (OURS, OPTAX, FLOOR):
+        time_ax.plot(params, [p[name]["micro_s"] * 1e3 for p in sweep], **STYLE[name])
+        memory_ax.plot(
+            params, [p[name]["temp_bytes"] / MIB for p in sweep], **STYLE[name]
+        )
+    time_ax.set_yscale("log")
+    time_ax.set_ylabel("non-emitting micro-step (ms, median)")
+    time_ax.set_title(f"Micro-step time, adam, k={k}")
+    memory_ax.set_ylabel("compiled temporary memory (MiB)")
+    memory_ax.set_title("Temporary memory of one jitted train step")
+    for ax in (time_ax, memory_ax):
+        ax.set_xscale("log")
+        ax.set_xlabel("float32 parameters")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Gradient accumulation against model size ({where})", fontsize=10)
+    return _save(fig, path)
+
+
+def window_vs_k(sweep: list[dict], path: Path, where: str) -> Path:
+    """Time of a whole window (k micro-steps, one update) against k."""
+    ks = [point["k"] for point in sweep]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name in (OURS, OPTAX):
+        ax.plot(ks, [p[name]["window_s"] * 1e3 for p in sweep], **STYLE[name])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("k (micro-steps per update)")
+    ax.set_ylabel("window time (ms, median)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"Window time, {sweep[0]['params'] / 1e6:g}M params, adam\n({where})",
+        fontsize=10,
+    )
+    return _save(fig, path)
+
+
+def microbatch_memory(data: dict, path: Path, where: str) -> Path:
+    """Compiled temporary memory against the number of micro-batches."""
+    counts = data["microbatches"][1:]
+    memory = [b / MIB for b in data["temp_bytes"]]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.plot(
+        counts,
+        memory[1:],
+        marker="o",
+        color="tab:blue",
+        label="microbatched_value_and_grad",
+    )
+    ax.axhline(
+        memory[0], color="tab:orange", linestyle="--", label="jax.value_and_grad"
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(m) for m in counts])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("micro-batches per step")
+    ax.set_ylabel("compiled temporary memory (MiB)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"Micro-batching, batch {data['batch']}, {data['model']}\n({where})",
+        fontsize=9,
+    )
+    return _save(fig, path)
+
+
+def wire_bytes(data: dict, path: Path, where: str) -> Path:
+    """All-reduce bytes of one averaging step against device count."""
+    devices = data["devices"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    width = 0.38
+    for offset, (name, color) in zip(
+        (-width / 2, width / 2),
+        (("float32 mean", "tab:orange"), ("ternary mean", "tab:blue")),
+        strict=True,
+    ):
+        values = [b / MIB for b in data["bytes"][name]]
+        bars = ax.bar(
+            [i + offset for i in range(len(devices))],
+            values,
+            width,
+            color=color,
+            label={"float32 mean": "average_across_devices (float32)",
+                   "ternary mean": "ternary_average_across_devices"}[name],
+        )  # fmt: skip
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(len(devices)), [str(n) for n in devices])
+    ax.set_xlabel("devices (emulated CPU devices)")
+    ax.set_ylabel("all-reduce bytes per step (MiB, compiled HLO)")
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"Bytes on the wire, {data['num_params'] / 1e6:.1f}M float32 params\n({where})",
+        fontsize=10,
+    )
+    return _save(fig, path)
+
+
+def ternary_accuracy(data: dict, path: Path, where: str) -> Path:
+    """Test accuracy (mean, min..max band over seeds) against steps."""
+    steps = data["steps"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, color in (("float32 mean", "tab:orange"), ("ternary mean", "tab:blue")):
+        runs = data["accuracy"][name]
+        ax.plot(
+            steps, [sum(r) / len(r) for r in runs], marker="o", color=color, label=name
+        )
+        ax.fill_between(
+            steps, [min(r) for r in runs], [max(r) for r in runs], color=color,
+            alpha=0.2,
+        )  # fmt: skip
+    ax.set_xlabel("training steps (8 devices x 16 examples)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"Digits MLP, adam, {data['seeds']} seed(s): mean, band min..max\n({where})",
+        fontsize=10,
+    )
+    return _save(fig, path)
