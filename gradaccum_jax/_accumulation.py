@@ -300,7 +300,7 @@ class MultiSteps:
             inner_opt_state=self._opt.init(params),
             acc_grads=self._accumulator.init(params),
             skip_state=skip_state,
-            acc_weight=self._as_window_sum(jnp.zeros([], jnp.float32)),
+            acc_weight=self._empty_window_weight(),
             micro_steps=jnp.zeros([], jnp.int32),
             emitted=jnp.zeros([], jnp.bool_),
         )
@@ -498,6 +498,13 @@ class MultiSteps:
         if not self._holds_terms(acc_weight):
             return acc_weight
         return _partials.reduce(acc_weight, self._unreduced_axes)
+
+    def _empty_window_weight(self) -> jax.Array:
+        """A zero weight, as per-device terms where the window keeps them."""
+        zero = jnp.zeros([], jnp.float32)
+        if not self._unreduced_axes:
+            return zero
+        return _partials.zeros(zero, self._unreduced_axes)
 
     def _as_window_sum(self, value: jax.Array) -> jax.Array:
         """A weight as a term of the window's sum (per device if it is)."""

@@ -131,7 +131,11 @@ def local_value_and_grad(
                 f"current mesh {mesh.axis_names}: call it under "
                 "jax.set_mesh(mesh)."
             )
-        explicit = mesh._name_to_type[axis_name] == AxisType.Explicit
+        # One device: its term is stacked (see `_partials.is_stacked`).
+        explicit = (
+            mesh._name_to_type[axis_name] == AxisType.Explicit
+            and mesh.shape[axis_name] > 1
+        )
         mapped = jax.shard_map(
             unreduced if explicit else stacked,
             in_specs=(P(), *(P(axis_name) for _ in batch)),

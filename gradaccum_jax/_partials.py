@@ -37,8 +37,13 @@ def is_stacked(axes: frozenset[str]) -> bool:
             f"the current mesh {mesh.axis_names}; call under jax.set_mesh(mesh)."
         )
     types = {mesh._name_to_type[name] for name in axes}
-    if types == {AxisType.Explicit}:
+    # A one-device Explicit axis also stacks: its single term is the sum,
+    # and jax 0.10.2 fails to lower some unreduced ops on a size-1 axis.
+    one_device = len(axes) == 1 and mesh.shape[next(iter(axes))] == 1
+    if types == {AxisType.Explicit} and not one_device:
         return False
+    if one_device:
+        return True
     if len(axes) > 1 or types != {AxisType.Auto}:
         raise ValueError(
             f"`unreduced_axes` {sorted(axes)}: on a mesh that is not all "
@@ -59,6 +64,9 @@ def stacked_shape(shape: tuple[int, ...], axes: frozenset[str]) -> tuple[int, ..
 
 
 def _stacked_constraint(x: jax.Array, axis: str) -> jax.Array:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh._name_to_type[axis] == AxisType.Explicit:  # a one-device axis
+        return jax.sharding.reshard(x, P(axis))
     return jax.lax.with_sharding_constraint(x, P(axis))
 
 

@@ -92,14 +92,19 @@ def as_unreduced(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
         return leaf
     names = tuple(sorted(axes))
 
+    mesh_shape = jax.sharding.get_abstract_mesh().shape
+    single_device = all(mesh_shape[name] == 1 for name in names)
+
     def first_device_only(x):
-        first = functools.reduce(
-            jnp.logical_and, [jax.lax.axis_index(name) == 0 for name in names]
-        )
         x = jax.lax.pcast(x, names, to="varying")
-        return jax.lax.pcast(
-            jnp.where(first, x, jnp.zeros_like(x)), names, to="unreduced"
-        )
+        if not single_device:
+            # (On a one-device axis the select is moot, and jax 0.10.2 fails
+            # to lower it: "Expected last op to be sdy.sharding_constraint".)
+            first = functools.reduce(
+                jnp.logical_and, [jax.lax.axis_index(name) == 0 for name in names]
+            )
+            x = jnp.where(first, x, jnp.zeros_like(x))
+        return jax.lax.pcast(x, names, to="unreduced")
 
     spec = jax.sharding.PartitionSpec(*partitions(leaf))
     return jax.shard_map(

@@ -350,3 +350,21 @@ def test_fsdp_params_keep_a_sharded_window_reduced_every_micro_step():
     every_call = [r for r in all_reduces(compiled) if r.place == "entry"]
     assert sum(r.nbytes for r in every_call) >= PARAM_BYTES // N_DEVICES
     assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+
+
+def test_a_one_device_mesh_runs_the_same_code():
+    """Code written for a mesh must also run on one device (a laptop, one
+    GPU): there the single term is the sum, kept stacked."""
+    mesh = jax.make_mesh(
+        (1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1]
+    )
+    with jax.set_mesh(mesh):
+        opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+        params = _params()
+        state = opt.init(params)
+        step = jax.jit(_weighted_step(opt))
+        batches = _micro_batches([8, 12, 4], masked=True)
+        for batch in batches:
+            updates, state = step(params, state, *_place(batch))
+    assert bool(opt.has_updated(state))
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
