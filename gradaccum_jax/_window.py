@@ -8,7 +8,7 @@ sums the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 import jax
@@ -46,7 +46,7 @@ class WindowAccumulator(NamedTuple):
 
 
 def float_accumulator(
-    dtype: Any = jnp.float32, unreduced_axes: Sequence[str] = ()
+    dtype: Any = jnp.float32, unreduced_axes: Collection[str] = ()
 ) -> WindowAccumulator:
     """The window sum kept as one floating array per parameter.
 

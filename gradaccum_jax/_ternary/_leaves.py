@@ -63,7 +63,7 @@ def check_updates(
         "the parameters the state was initialized with",
         placeholder=is_masked,
     )
-    if not keep_residual:
+    if not keep_residual or min_size is None:
         return
     leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
     slots = jax.tree.leaves(template, is_leaf=is_masked)
