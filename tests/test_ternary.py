@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
-from gradaccum_jax._ternary import _accumulator, _device_mean
+from gradaccum_jax._ternary import _accumulator, _device_mean, _quantize
 from helpers import EAGER_AND_JIT
 
 NUM_DEVICES = 8
@@ -395,6 +395,41 @@ def test_window_sum_is_unbiased_when_the_scale_grows():
     z = (totals.mean(0) - target) / standard_error
     assert np.all(np.abs(z) < 5)
     assert 0.7 < np.mean(z**2) < 1.3
+
+
+def test_weighted_statistics_come_from_the_unweighted_gradient():
+    # max|w g| and the clipping bound of w g, from g's own reductions.
+    x = _heavy_tailed(3, 1000)
+    rms = np.sqrt(np.mean(np.asarray(x, np.float64) ** 2))
+    # 1e-20: (w g)**2 would underflow float32, clipping everything to 0.
+    for weight in (0.5, -3.0, 1e-20):
+        weight = jnp.float32(weight)
+        max_abs, bound, finite = _quantize.max_abs_and_bound(x, 2.5, weight)
+        # Exact: rounding is monotone, so max|w g| = |w| max|g|.
+        assert float(max_abs) == float(jnp.max(jnp.abs(weight * x)))
+        np.testing.assert_allclose(bound, 2.5 * abs(float(weight)) * rms, rtol=1e-6)
+        assert bool(finite)
+    for weight in (np.nan, np.inf):
+        assert not bool(_quantize.max_abs_and_bound(x, 2.5, jnp.float32(weight))[2])
+    assert not bool(_quantize.max_abs_and_bound(x.at[7].set(np.nan), 2.5, 2.0)[2])
+
+
+def test_weighted_micro_step_writes_no_float_temporary():
+    # XLA:CPU's reductions do not fuse an elementwise producer: reducing
+    # w * g would write it out, a parameter-sized float32 temporary.
+    accumulator = _accumulator._ternary_window_accumulator(0, 2.5)
+    grads = jnp.zeros((256, 256))
+    compiled = (
+        jax.jit(lambda g, acc, w: accumulator.add(acc, g, w), donate_argnums=1)
+        .lower(grads, accumulator.init(grads), jnp.float32(0.5))
+        .compile()
+        .as_text()
+    )
+    entry = compiled[compiled.index("ENTRY") :].splitlines()[1:]
+    computed = [line for line in entry if " = " in line and "parameter(" not in line]
+    results = [line.split(" = ", 1)[1].split()[0] for line in computed]
+    # One pass writes the new int8 sums; nothing else is parameter-sized.
+    assert [r for r in results if "[256,256]" in r] == ["s8[256,256]{1,0}"]
 
 
 def test_ternary_accumulate_emits_through_the_engine():
