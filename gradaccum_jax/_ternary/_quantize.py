@@ -60,6 +60,10 @@ def max_abs_and_bound(
     temporary and a whole extra pass. ``max|w x| = |w| max|x|`` exactly
     (rounding is monotone), and ``rms(w x) = |w| rms(x)`` up to rounding.
     """
+    # Two plain reductions, not one variadic (max, sum) reduce: XLA:CPU
+    # runs plain ones as YNNPACK kernels, and a variadic one through its
+    # generic reduction loop, measured 1.4x slower than both plain ones
+    # together on 16 MB (3.6x on 4 MB).
     max_abs = jnp.max(jnp.abs(x), initial=0.0)
     sum_sq = jnp.sum(jnp.square(x))
     finite = jnp.isfinite(max_abs) & ~jnp.isnan(sum_sq)
