@@ -537,14 +537,23 @@ def test_packed_psum_digits_per_word_and_extremes():
             np.testing.assert_array_equal(sums, fill * num_devices)
 
 
-def test_weight_zero_device_with_nan_gradients_contributes_nothing():
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"error_feedback": False}, {"clip_sigma": None}],
+    ids=["residual", "no_residual", "unclipped"],
+)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_weight_zero_device_with_nan_gradients_contributes_nothing(kwargs, bad):
+    # Without a residual the statistics come from the raw gradients scaled
+    # by the share: a zero share must still keep the device out.
+    average = ga.ternary_average_across_devices("i", 0, **kwargs)
     grads = jax.device_get(_random_like(PARAMS, 5, (NUM_DEVICES,)))
     weights = jnp.arange(NUM_DEVICES, dtype=jnp.float32).at[3].set(0.0)
     nan_grads = jax.tree.map(lambda g: g.copy(), grads)
     for leaf in nan_grads.values():
-        leaf[3] = np.nan
-    state = _replicate(AVERAGE.init(PARAMS))
-    step = jax.pmap(lambda g, s, w: AVERAGE.update(g, s, weight=w), axis_name="i")
+        leaf[3] = bad
+    state = _replicate(average.init(PARAMS))
+    step = jax.pmap(lambda g, s, w: average.update(g, s, weight=w), axis_name="i")
     clean_mean, clean_state = step(grads, state, weights)
     nan_mean, nan_state = step(nan_grads, state, weights)
     for name in PARAMS:
