@@ -19,7 +19,8 @@ Measured, not computed from a formula:
 - compute time (first table): at 4M and 16M float32 params (4 square
   leaves), the median time of a ``ternary_accumulate`` micro-step and
   emitting step against float32 ``MultiSteps`` (sgd inside, so the
-  accumulator dominates), ``ternarize`` against ``optax.identity``, and
+  accumulator dominates; gradients donated and updates returned, as in a
+  training step), ``ternarize`` against ``optax.identity``, and
   ``ternary_average_across_devices`` against ``average_across_devices`` on
   8 emulated CPU devices (each holding 1/8 of the params). Jitted, state
   donated; the two sides take turns, so load on a shared machine falls on
@@ -182,30 +183,43 @@ def _median_ms(times):
     return 1e3 * float(np.median(times))
 
 
-def accumulation_ms(opts, params, every_k, windows):
+def accumulation_ms(opts, params, every_k, windows, weighted=False):
     """Median ms of a micro-step and of an emitting step, per optimizer.
 
-    ``update`` is jitted with the state donated (as a training loop would);
-    the optimizers take turns window by window, so that load on a shared
-    machine falls on all of them alike.
+    ``update`` is jitted as a training step runs it: the state and the
+    micro-batch gradients donated (in a training step the gradients are a
+    dead temporary of the same program), the updates returned. Undonated
+    gradients would make XLA copy them into the buffers of the emission
+    loop's updates on every micro-step of an accumulator whose window
+    cannot hold the updates (a ternary one), a cost no training step pays.
+    A fresh copy of the gradients is made before each timed call, outside
+    the timing. The optimizers take turns window by window, so that load on
+    a shared machine falls on all of them alike. With ``weighted``, every
+    micro-batch is passed a traced ``weight=`` (its number of examples).
     """
     params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
     grads = _random_grads(params)
+    weight = {"weight": jnp.float32(PER_DEVICE_BATCH)} if weighted else {}
+
+    def fresh_grads():
+        return jax.block_until_ready(jax.tree.map(jnp.copy, grads))
+
     runs = {}
     for name, opt in opts.items():
         update = jax.jit(
-            lambda g, s, o=opt: o.update(g, s, params)[1], donate_argnums=1
+            lambda g, s, w, o=opt: o.update(g, s, params, **w), donate_argnums=(0, 1)
         )
         state = opt.init(params)
         for _ in range(every_k):  # compile, and warm both branches
-            state = jax.block_until_ready(update(grads, state))
+            state = jax.block_until_ready(update(fresh_grads(), state, weight))[1]
         runs[name] = [update, state, [], []]
     for _ in range(windows):
         for run in runs.values():
             update = run[0]
             for call in range(every_k):
+                micro_batch = fresh_grads()
                 begin = time.perf_counter()
-                run[1] = jax.block_until_ready(update(grads, run[1]))
+                run[1] = jax.block_until_ready(update(micro_batch, run[1], weight))[1]
                 run[3 if call == every_k - 1 else 2].append(time.perf_counter() - begin)
     return {
         name: (_median_ms(run[2]), _median_ms(run[3])) for name, run in runs.items()
@@ -261,14 +275,13 @@ def timing_rows(sizes, every_k, repeats):
     sgd = optax.sgd(0.1)  # a cheap inner optimizer: the accumulator dominates
     rows = []
     for size_name, params in sizes.items():
-        acc = accumulation_ms(
-            {
-                "float32": ga.MultiSteps(sgd, every_k).gradient_transformation(),
-                "ternary": ga.ternary_accumulate(sgd, every_k),
-            },
-            params,
-            every_k,
-            windows=repeats,
+        accumulators = {
+            "float32": ga.MultiSteps(sgd, every_k).gradient_transformation(),
+            "ternary": ga.ternary_accumulate(sgd, every_k),
+        }
+        acc = accumulation_ms(accumulators, params, every_k, windows=repeats)
+        weighted = accumulation_ms(
+            accumulators, params, every_k, windows=repeats, weighted=True
         )
         one = transform_ms(
             {"float32": optax.identity(), "ternary": ga.ternarize(0)},
@@ -297,6 +310,10 @@ def timing_rows(sizes, every_k, repeats):
             (
                 f"accumulate emitting step (k={every_k})",
                 (acc["float32"][1], acc["ternary"][1]),
+            ),
+            (
+                f"accumulate micro-step, weight= (k={every_k})",
+                (weighted["float32"][0], weighted["ternary"][0]),
             ),
             ("ternarize vs identity", (one["float32"], one["ternary"])),
             (

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
-from gradaccum_jax._ternary import _accumulator, _device_mean
+from gradaccum_jax._ternary import _accumulator, _device_mean, _quantize
 from helpers import EAGER_AND_JIT
 
 NUM_DEVICES = 8
@@ -397,6 +397,41 @@ def test_window_sum_is_unbiased_when_the_scale_grows():
     assert 0.7 < np.mean(z**2) < 1.3
 
 
+def test_weighted_statistics_come_from_the_unweighted_gradient():
+    # max|w g| and the clipping bound of w g, from g's own reductions.
+    x = _heavy_tailed(3, 1000)
+    rms = np.sqrt(np.mean(np.asarray(x, np.float64) ** 2))
+    # 1e-20: (w g)**2 would underflow float32, clipping everything to 0.
+    for weight in (0.5, -3.0, 1e-20):
+        weight = jnp.float32(weight)
+        max_abs, bound, finite = _quantize.max_abs_and_bound(x, 2.5, weight)
+        # Exact: rounding is monotone, so max|w g| = |w| max|g|.
+        assert float(max_abs) == float(jnp.max(jnp.abs(weight * x)))
+        np.testing.assert_allclose(bound, 2.5 * abs(float(weight)) * rms, rtol=1e-6)
+        assert bool(finite)
+    for weight in (np.nan, np.inf):
+        assert not bool(_quantize.max_abs_and_bound(x, 2.5, jnp.float32(weight))[2])
+    assert not bool(_quantize.max_abs_and_bound(x.at[7].set(np.nan), 2.5, 2.0)[2])
+
+
+def test_weighted_micro_step_writes_no_float_temporary():
+    # XLA:CPU's reductions do not fuse an elementwise producer: reducing
+    # w * g would write it out, a parameter-sized float32 temporary.
+    accumulator = _accumulator._ternary_window_accumulator(0, 2.5)
+    grads = jnp.zeros((256, 256))
+    compiled = (
+        jax.jit(lambda g, acc, w: accumulator.add(acc, g, w), donate_argnums=1)
+        .lower(grads, accumulator.init(grads), jnp.float32(0.5))
+        .compile()
+        .as_text()
+    )
+    entry = compiled[compiled.index("ENTRY") :].splitlines()[1:]
+    computed = [line for line in entry if " = " in line and "parameter(" not in line]
+    results = [line.split(" = ", 1)[1].split()[0] for line in computed]
+    # One pass writes the new int8 sums; nothing else is parameter-sized.
+    assert [r for r in results if "[256,256]" in r] == ["s8[256,256]{1,0}"]
+
+
 def test_ternary_accumulate_emits_through_the_engine():
     # Entries of equal magnitude ternarize exactly: the emitted update is
     # then the exact window mean, which checks the plumbing.
@@ -502,14 +537,23 @@ def test_packed_psum_digits_per_word_and_extremes():
             np.testing.assert_array_equal(sums, fill * num_devices)
 
 
-def test_weight_zero_device_with_nan_gradients_contributes_nothing():
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"error_feedback": False}, {"clip_sigma": None}],
+    ids=["residual", "no_residual", "unclipped"],
+)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_weight_zero_device_with_nan_gradients_contributes_nothing(kwargs, bad):
+    # Without a residual the statistics come from the raw gradients scaled
+    # by the share: a zero share must still keep the device out.
+    average = ga.ternary_average_across_devices("i", 0, **kwargs)
     grads = jax.device_get(_random_like(PARAMS, 5, (NUM_DEVICES,)))
     weights = jnp.arange(NUM_DEVICES, dtype=jnp.float32).at[3].set(0.0)
     nan_grads = jax.tree.map(lambda g: g.copy(), grads)
     for leaf in nan_grads.values():
-        leaf[3] = np.nan
-    state = _replicate(AVERAGE.init(PARAMS))
-    step = jax.pmap(lambda g, s, w: AVERAGE.update(g, s, weight=w), axis_name="i")
+        leaf[3] = bad
+    state = _replicate(average.init(PARAMS))
+    step = jax.pmap(lambda g, s, w: average.update(g, s, weight=w), axis_name="i")
     clean_mean, clean_state = step(grads, state, weights)
     nan_mean, nan_state = step(nan_grads, state, weights)
     for name in PARAMS:

@@ -126,7 +126,10 @@ def _ternary_window_accumulator(
             value = weight * grad.astype(jnp.float32)
             if is_masked(scale):
                 return code_sum + value, scale
-            max_abs, bound, finite = max_abs_and_bound(value, clip_sigma)
+            # The statistics of w * g from those of g: no w * g written out.
+            max_abs, bound, finite = max_abs_and_bound(
+                grad.astype(jnp.float32), clip_sigma, weight
+            )
             new_scale = poison_if_nonfinite(
                 finite, jnp.maximum(scale, clipped_scale(max_abs, bound))
             )

@@ -231,7 +231,18 @@ def ternary_average_across_devices(
             inputs = {i: x + residuals[i] for i, x in inputs.items()}
         bounds, local_scales = {}, []
         for i, x in inputs.items():
-            max_abs, bounds[i], finite = max_abs_and_bound(x, clip_sigma)
+            if keep_residual:
+                max_abs, bounds[i], finite = max_abs_and_bound(x, clip_sigma)
+            else:
+                # The statistics of share * g from g's own reductions: XLA:CPU
+                # would write the product out for them, an extra pass. A
+                # weight-0 device stays out even with non-finite gradients.
+                max_abs, bounds[i], finite = max_abs_and_bound(
+                    leaves[i].astype(jnp.float32), clip_sigma, share
+                )
+                max_abs = jnp.where(share != 0, max_abs, 0.0)
+                bounds[i] = jnp.where(share != 0, bounds[i], 0.0)  # not 0 * inf
+                finite = finite | (share == 0)
             # A non-finite input is marked +inf, not NaN: max is guaranteed
             # to propagate inf to every device.
             local_scales.append(

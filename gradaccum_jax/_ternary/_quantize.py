@@ -38,28 +38,45 @@ def validate_clip_sigma(value: Any) -> float | None:
 
 
 def max_abs_and_bound(
-    x: jax.Array, clip_sigma: float | None
+    x: jax.Array, clip_sigma: float | None, weight: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns max|x|, TernGrad's clipping bound and whether x is all finite.
+    """Returns max|v|, TernGrad's clipping bound and whether v is all finite.
 
-    The bound is ``clip_sigma * rms(x)``, +inf without clipping. The standard
-    deviation is taken about zero (the root mean square): it is the paper's
-    sigma for zero-mean gradients, and unlike the deviation about the mean
-    it is not 0 for a constant non-zero tensor (which would otherwise be
-    clipped to all zeros).
+    ``v = weight * x`` (``x`` itself when ``weight`` is None). The bound is
+    ``clip_sigma * rms(v)``, +inf without clipping. The standard deviation
+    is taken about zero (the root mean square): it is the paper's sigma for
+    zero-mean gradients, and unlike the deviation about the mean it is not 0
+    for a constant non-zero tensor (which would otherwise be clipped to all
+    zeros).
 
-    Two reductions, max|x| and sum(x**2), and nothing else: an infinity in
-    ``x`` makes the maximum infinite, a NaN makes the sum NaN (XLA's CPU max
-    reduction may drop NaN; a sum cannot), while a finite ``x`` whose sum of
-    squares overflows float32 (rms above ~1.8e19 / sqrt(size)) gives a sum
-    of +inf, not NaN: such a tensor is still finite, merely not clipped.
+    Two reductions of ``x``, max|x| and sum(x**2), and nothing else: an
+    infinity in ``x`` makes the maximum infinite, a NaN makes the sum NaN
+    (XLA's CPU max reduction may drop NaN; a sum cannot), while a finite
+    ``x`` whose sum of squares overflows float32 (rms above ~1.8e19 /
+    sqrt(size)) gives a sum of +inf, not NaN: such a tensor is still finite,
+    merely not clipped. The weight is applied to the two scalars, not to
+    ``x``: XLA:CPU's reductions do not fuse an elementwise producer, so
+    reducing ``weight * x`` would first write it out, a parameter-sized
+    temporary and a whole extra pass. ``max|w x| = |w| max|x|`` exactly
+    (rounding is monotone), and ``rms(w x) = |w| rms(x)`` up to rounding.
     """
+    # Two plain reductions, not one variadic (max, sum) reduce: XLA:CPU
+    # runs plain ones as YNNPACK kernels, and a variadic one through its
+    # generic reduction loop, measured 1.4x slower than both plain ones
+    # together on 16 MB (3.6x on 4 MB).
     max_abs = jnp.max(jnp.abs(x), initial=0.0)
     sum_sq = jnp.sum(jnp.square(x))
     finite = jnp.isfinite(max_abs) & ~jnp.isnan(sum_sq)
+    magnitude = 1.0 if weight is None else jnp.abs(weight)
+    if weight is not None:
+        max_abs = magnitude * max_abs
+        # A non-finite weight makes v non-finite; |w| * max|x| is then inf
+        # or NaN, and NaN is not finite either.
+        finite = finite & jnp.isfinite(max_abs)
     if clip_sigma is None:
         return max_abs, jnp.float32(jnp.inf), finite
-    return max_abs, clip_sigma * jnp.sqrt(sum_sq / max(x.size, 1)), finite
+    rms = jnp.sqrt(sum_sq / max(x.size, 1))
+    return max_abs, clip_sigma * magnitude * rms, finite
 
 
 def clip(x: jax.Array, bound: jax.Array) -> jax.Array:
