@@ -45,7 +45,11 @@ def ternary_window_reduction(
     leaf and the device (see ``_ternary._random``): the counter
     ``uint32[2] = (seed, windows)`` lives in
     ``MultiStepsState.reduction_state``, the same on every device, so a
-    checkpointed run draws the same bits as an uninterrupted one.
+    run restored from a checkpoint taken between windows draws the same bits
+    and emits bitwise the same updates as an uninterrupted one. A window
+    checkpointed mid-way (``reduce_window``) comes back whole on one device
+    and zero on the others: its sum is exact, but its codes are drawn from
+    other per-device terms, so its (still unbiased) result differs.
 
     Args:
       seed: an integer in [0, 2**32 - 1].
