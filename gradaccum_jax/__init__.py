@@ -39,6 +39,7 @@ from gradaccum_jax._ternary import (
     ternary_average_across_devices,
     ternary_dequantize,
     ternary_quantize,
+    ternary_window_reduction,
 )
 
 # --- measurement ---
@@ -84,6 +85,7 @@ __all__ = [
     "ternary_average_across_devices",
     "ternary_dequantize",
     "ternary_quantize",
+    "ternary_window_reduction",
     "TernaryAccumulatorState",
     "TernaryState",
     "WindowAccumulator",

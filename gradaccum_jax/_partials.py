@@ -10,12 +10,15 @@ forms picked from the current mesh (``jax.set_mesh``):
   axis of size ``n_devices``, sharded over the mesh axis; the sum is
   ``.sum(0)``.
 
-Either way a term crosses devices only in `reduce`: one (fused) all-reduce.
+Either way a term crosses devices only when a window is reduced: by
+default in `reduce` (one fused float all-reduce); a `WindowReduction` (e.g.
+`gradaccum_jax.ternary_window_reduction`) may send something smaller.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -112,3 +115,68 @@ def reduce(tree: Any, axes: frozenset[str]) -> Any:
     if not is_stacked(axes):
         return _tree.reduce_unreduced(tree)
     return jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), tree)
+
+
+class WindowReduction(NamedTuple):
+    """How `MultiSteps` sums a window of per-device terms at its emission.
+
+    Attributes:
+      init: ``init(params) -> state``, the reduction's own state (kept in
+        ``MultiStepsState.reduction_state``; arrays that are the same on
+        every device, so checkpointable).
+      reduce: ``reduce(terms, axes, state) -> (sums, state)``: ``terms`` is
+        a pytree of per-device terms over the mesh ``axes`` (unreduced or
+        stacked, see this module), ``sums`` the same tree summed over the
+        devices, identical on every device. Called once per window, inside
+        the emission loop.
+    """
+
+    init: Callable[[Any], Any]
+    reduce: Callable[[Any, frozenset[str], Any], tuple[Any, Any]]
+
+
+def float_window_reduction() -> WindowReduction:
+    """The default `WindowReduction`: `reduce`, one exact float all-reduce."""
+    return WindowReduction(
+        init=lambda params: (),
+        reduce=lambda terms, axes, state: (reduce(terms, axes), state),
+    )
+
+
+def over_terms(
+    fn: Callable[[Any, Any], tuple[Any, Any]], axes: frozenset[str]
+) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """``fn(local, state)`` mapped over the devices of per-device ``terms``.
+
+    Returns ``g(terms, state)`` that runs ``fn`` inside a ``jax.shard_map``
+    over ``axes``, where each device sees its own term as a value varying
+    over ``axes`` (``local``), and ``state`` replicated; ``fn`` must return
+    values that are the same on every device (results of collectives over
+    ``axes``), which ``g`` returns replicated.
+    """
+    if is_stacked(axes):
+        (axis,) = axes
+        in_terms, check_vma = P(axis), True
+
+        def local_terms(terms):
+            return jax.tree.map(lambda leaf: leaf[0], terms)
+    else:
+        # jax 0.10.2 has no cast from unreduced to varying (`pcast` knows
+        # only the reverse), and a nonlinear function of a term needs one.
+        # Without type checks a shard_map hands each device its term as a
+        # plain value; ``fn``'s results are collectives' results, the same
+        # on every device, as ``out_specs=P()`` then assumes unchecked.
+        in_terms, check_vma = P(unreduced=set(axes)), False
+
+        def local_terms(terms):
+            return terms
+
+    def mapped(terms, state):
+        return jax.shard_map(
+            lambda terms, state: fn(local_terms(terms), state),
+            in_specs=(in_terms, P()),
+            out_specs=P(),
+            check_vma=check_vma,
+        )(terms, state)
+
+    return mapped

@@ -40,6 +40,7 @@ VALID: dict[str, dict[str, Any]] = {
     "ternarize": {"seed": 0},
     "ternary_accumulate": {"opt": optax.sgd(0.1), "every_k": 2},
     "ternary_average_across_devices": {"axis_name": "devices", "seed": 0},
+    "ternary_window_reduction": {"seed": 0},
     "microbatched_value_and_grad": {"loss_fn": _loss, "num_microbatches": 2},
     "local_value_and_grad": {"loss_fn": _loss, "axis_name": "data"},
 }
@@ -89,7 +90,12 @@ def _rows_for(constructors, argument, bad_values, accepted):
 
 
 ACCUMULATORS = ("MultiSteps", "accumulate", "ternary_accumulate")
-TERNARY = ("ternarize", "ternary_accumulate", "ternary_average_across_devices")
+TERNARY = (
+    "ternarize",
+    "ternary_accumulate",
+    "ternary_average_across_devices",
+    "ternary_window_reduction",
+)
 BAD_COUNTS = (0, -3, 2.5, 2.0, True, "4", None)
 
 TABLE: list[Row] = [
@@ -162,6 +168,15 @@ TABLE: list[Row] = [
     # The wrapped optimizer: a transformation, not its factory.
     *_rows_for(ACCUMULATORS, "opt", (None, optax.adam, "adam"), TRANSFORMATION),
     Row("MultiSteps", "window_accumulator", ("float32", (1, 2)), ACCUMULATOR),
+    Row("MultiSteps", "window_reduction", ("ternary", (1, 2), 3), r"WindowReduction"),
+    # A window reduction needs per-device terms: without `unreduced_axes`
+    # there are none.
+    Row(
+        "MultiSteps",
+        "window_reduction",
+        (ga.ternary_window_reduction(seed=0),),
+        r"needs `unreduced_axes`",
+    ),
     # Flags: a string such as "False" is truthy; only bools are accepted.
     # The accumulation entry points share one vocabulary.
     *_rows_for(ACCUMULATORS, "use_grad_mean", ("False", None), BOOL),
@@ -236,6 +251,8 @@ def test_valid_arguments_construct():
             assert (codes.dtype, scale.dtype) == (jnp.int8, jnp.float32)
         elif name == "float_accumulator":
             assert isinstance(built, ga.WindowAccumulator)
+        elif name == "ternary_window_reduction":
+            assert isinstance(built, ga._partials.WindowReduction)
         elif name in ("microbatched_value_and_grad", "local_value_and_grad"):
             assert callable(built) and not hasattr(built, "init"), name
         else:  # a transformation (MultiSteps is one with methods)

@@ -7,7 +7,9 @@
 - `_error_feedback`: the residual state shared by the next two;
 - `_ternarize`: `ternarize`, compression of each update;
 - `_device_mean`: `ternary_average_across_devices`, codes on the wire;
-- `_accumulator`: `ternary_accumulate`, an int8 window accumulator.
+- `_accumulator`: `ternary_accumulate`, an int8 window accumulator;
+- `_window_reduction`: `ternary_window_reduction`, a per-device window
+  summed with codes on the wire.
 """
 
 from gradaccum_jax._ternary._accumulator import (
@@ -19,6 +21,7 @@ from gradaccum_jax._ternary._error_feedback import TernaryState
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 from gradaccum_jax._ternary._quantize import ternary_dequantize, ternary_quantize
 from gradaccum_jax._ternary._ternarize import ternarize
+from gradaccum_jax._ternary._window_reduction import ternary_window_reduction
 
 __all__ = [
     "DEFAULT_MIN_SIZE",
@@ -29,4 +32,5 @@ __all__ = [
     "ternary_average_across_devices",
     "ternary_dequantize",
     "ternary_quantize",
+    "ternary_window_reduction",
 ]
