@@ -428,8 +428,7 @@ class MultiSteps:
         fills_window = accept if not self._count_skipped else jnp.asarray(True)
         mini_step = state.mini_step + fills_window.astype(jnp.int32)
         # `>=` rather than `==`: a schedule may shrink k mid-window.
-        emit = jnp.logical_and(
-            fills_window, mini_step >= self._window_size(state))
+        emit = jnp.logical_and(fills_window, mini_step >= self._window_size(state))
         state = state._replace(
             mini_step=mini_step,
             acc_grads=acc,

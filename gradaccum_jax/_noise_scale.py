@@ -267,9 +267,7 @@ class AdaptiveWindow:
         )
 
 
-def adaptive_every_k(
-    micro_batch_size: float, k_min: int, k_max: int
-) -> AdaptiveWindow:
+def adaptive_every_k(micro_batch_size: float, k_min: int, k_max: int) -> AdaptiveWindow:
     """A window size that follows the critical batch size (McCandlish et al. 2018).
 
     At each emission the next window holds
@@ -306,4 +304,3 @@ def batch_estimate(
         sq_norm_sum, count, weight, sq_norm(mean_grads)
     )
     return NoiseScaleEstimate(grad_sq_norm, trace, noise_scale(grad_sq_norm, trace))
-

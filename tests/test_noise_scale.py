@@ -177,9 +177,11 @@ def _regression_estimates(sizes, seeds, use_microbatching=False):
         y = x @ w_star + SIGMA * jax.random.normal(ke, (k, width))
         if use_microbatching:
             fn = ga.microbatched_value_and_grad(
-                lambda w, b: 0.5
-                * jnp.sum(((b["x"] @ w - b["y"]) * b["m"]) ** 2)
-                / jnp.maximum(b["m"].sum(), 1.0),
+                lambda w, b: (
+                    0.5
+                    * jnp.sum(((b["x"] @ w - b["y"]) * b["m"]) ** 2)
+                    / jnp.maximum(b["m"].sum(), 1.0)
+                ),
                 k,
                 weight_fn=lambda b: b["m"].sum(),
                 return_noise_scale=True,
