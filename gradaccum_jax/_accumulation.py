@@ -281,9 +281,7 @@ class MultiSteps:
                 f"{every_k_schedule!r}."
             )
         self._track_noise = _checks.boolean("track_noise_scale", track_noise_scale)
-        self._noise_decay = _noise_scale.decay_rate(
-            "noise_scale_decay", noise_scale_decay
-        )
+        self._noise_decay = _checks.decay_rate("noise_scale_decay", noise_scale_decay)
         self._opt = optax.with_extra_args_support(_checks.transformation("opt", opt))
         self._use_grad_mean = _checks.boolean("use_grad_mean", use_grad_mean)
         self._should_skip_update_fn = _skip_function(

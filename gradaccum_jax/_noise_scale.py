@@ -81,18 +81,6 @@ class NoiseScaleEstimate(NamedTuple):
     noise_scale: jax.Array
 
 
-def decay_rate(name: str, value: Any) -> float:
-    """Returns ``value`` as a float, or raises unless it is in [0, 1)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(
-            f"`{name}` must be a number in [0, 1), got {value!r} "
-            f"of type {type(value).__name__}."
-        )
-    if not 0 <= value < 1:
-        raise ValueError(f"`{name}` must be a number in [0, 1), got {value}.")
-    return float(value)
-
-
 def init() -> NoiseScaleState:
     """The state before any micro-batch: an empty window, no estimate."""
     # Distinct arrays, not one shared zero: a donated state must not hold
