@@ -5,7 +5,10 @@ donated) on float32 params with adam inside, k micro-batches per update.
 Reported per implementation: median time of a non-emitting micro-step, of the
 emitting step and of a whole window, and the compiled temporary bytes
 (``memory_analysis().temp_size_in_bytes``). The floor is a donated
-``acc += g`` over the same params: the least any accumulator can do.
+``acc += g`` over the same params: the least any accumulator can do. The
+same wrapper with ``track_noise_scale=True`` runs alongside: the gradient
+noise scale's statistics (one fused squared norm per micro-step, one per
+emission) should cost at most 5% of the micro-step.
 
 ``--sweep-params`` repeats the measurement at several parameter counts and
 ``--sweep-k`` at several window lengths (same code path, one row per point);
@@ -98,7 +101,8 @@ def summarize(times: list[float], k: int) -> tuple[float, float, float]:
     return statistics.median(micro), statistics.median(emit), statistics.median(window)
 
 
-IMPLEMENTATIONS = ("optax.MultiSteps", "gradaccum_jax.MultiSteps")
+TRACKED = "gradaccum_jax.MultiSteps, track_noise_scale"
+IMPLEMENTATIONS = ("optax.MultiSteps", "gradaccum_jax.MultiSteps", TRACKED)
 
 
 def measure_point(num_params: int, k: int, windows: int) -> dict[str, dict]:
@@ -114,6 +118,9 @@ def measure_point(num_params: int, k: int, windows: int) -> dict[str, dict]:
         "optax.MultiSteps": optax.MultiSteps(inner, k).gradient_transformation(),
         "gradaccum_jax.MultiSteps": gradaccum_jax.MultiSteps(
             inner, k
+        ).gradient_transformation(),
+        TRACKED: gradaccum_jax.MultiSteps(
+            inner, k, track_noise_scale=True
         ).gradient_transformation(),
     }
     runners = {
@@ -165,6 +172,12 @@ def print_point(num_params: int, k: int, point: dict[str, dict]) -> None:
         f"window {ours['window_s'] / ref['window_s']:.2f}, temporaries "
         f"{ours['temp_bytes'] / max(ref['temp_bytes'], 1):.2f}; ours / floor: "
         f"micro-step {ours['micro_s'] / floor['micro_s']:.2f}"
+    )
+    tracked = point[TRACKED]
+    print(
+        f"noise scale tracked / not: micro-step "
+        f"{tracked['micro_s'] / ours['micro_s']:.3f}, window "
+        f"{tracked['window_s'] / ours['window_s']:.3f} (target <= 1.05)"
     )
 
 
@@ -221,7 +234,7 @@ def main() -> None:
     ]
 
     ours, ref = head["gradaccum_jax.MultiSteps"], head["optax.MultiSteps"]
-    floor = head["floor"]
+    floor, tracked = head["floor"], head[TRACKED]
     _headline.write(
         args.json,
         "accumulation",
@@ -238,6 +251,10 @@ def main() -> None:
             "temporaries, ours / optax.MultiSteps": (
                 ours["temp_bytes"] / max(ref["temp_bytes"], 1),
                 1.0,
+            ),
+            "micro-step, noise scale tracked / not": (
+                tracked["micro_s"] / ours["micro_s"],
+                1.05,
             ),
         },
         data={"sweep_params": sweep_params, "sweep_k": sweep_k},

@@ -19,6 +19,14 @@ from gradaccum_jax._accumulation import (
 )
 from gradaccum_jax._window import RunningMean, WindowAccumulator, float_accumulator
 
+# --- gradient noise scale ---
+from gradaccum_jax._noise_scale import (
+    AdaptiveWindow,
+    NoiseScaleEstimate,
+    NoiseScaleState,
+    adaptive_every_k,
+)
+
 # --- clipping ---
 from gradaccum_jax._clipping import (
     ClipByGlobalNormState,
@@ -61,6 +69,8 @@ __version__ = "0.1.0"
 __all__ = [
     "accumulate",
     "AccumulationStats",
+    "AdaptiveWindow",
+    "adaptive_every_k",
     "AccumulationTransformation",
     "AllReduce",
     "all_reduce_nbytes",
@@ -75,6 +85,8 @@ __all__ = [
     "microbatched_value_and_grad",
     "MultiSteps",
     "MultiStepsState",
+    "NoiseScaleEstimate",
+    "NoiseScaleState",
     "RunningMean",
     "ShouldSkipUpdateFunction",
     "skip_large_updates",

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _checks, _partials, _tree, _weights
+from gradaccum_jax import _checks, _noise_scale, _partials, _tree, _weights
 from gradaccum_jax._control import run_if
 from gradaccum_jax._tree import any_mapped_axis_bound, varying_axes
 from gradaccum_jax._window import WindowAccumulator, float_accumulator
@@ -44,7 +44,7 @@ ShouldSkipUpdateFunction: TypeAlias = optax.ShouldSkipUpdateFunction
 skip_not_finite = optax.skip_not_finite
 skip_large_updates = optax.skip_large_updates
 
-Schedule = int | Callable[[jax.Array], jax.Array]
+Schedule = int | Callable[[jax.Array], jax.Array] | _noise_scale.AdaptiveWindow
 
 
 class MultiStepsState(NamedTuple):
@@ -67,6 +67,10 @@ class MultiStepsState(NamedTuple):
       reduction_state: the ``window_reduction``'s state (``()`` for the
         default float all-reduce; the PRNG counter of
         `gradaccum_jax.ternary_window_reduction`).
+      noise: the gradient noise scale's `NoiseScaleState` with
+        ``track_noise_scale=True``, else ``()``.
+      window_size: the current window's size with an `adaptive_every_k`
+        schedule (int32), else ``()``.
     """
 
     mini_step: Any
@@ -78,6 +82,8 @@ class MultiStepsState(NamedTuple):
     micro_steps: Any = np.zeros((), np.int32)
     emitted: Any = np.zeros((), np.bool_)
     reduction_state: Any = ()
+    noise: Any = ()
+    window_size: Any = ()
 
 
 class AccumulationStats(NamedTuple):
@@ -89,6 +95,14 @@ class AccumulationStats(NamedTuple):
       window_fill: micro-batches in the current, unfinished window.
       window_size: micro-batches per window at the current gradient step.
       window_weight: total weight of the current window.
+      grad_sq_norm: smoothed estimate of the true gradient's squared norm
+        ``|G|^2`` (``track_noise_scale``; NaN when not tracked or before
+        the first window of two or more weighted micro-batches).
+      noise_trace: smoothed estimate of ``tr(S)``, the trace of the
+        per-example gradient covariance (NaN likewise).
+      noise_scale: ``B_simple = noise_trace / grad_sq_norm`` (McCandlish et
+        al. 2018), in units of weight (examples, or micro-batches without
+        weights); NaN likewise, +inf when ``grad_sq_norm <= 0``.
     """
 
     micro_steps: jax.Array
@@ -96,6 +110,9 @@ class AccumulationStats(NamedTuple):
     window_fill: jax.Array
     window_size: jax.Array
     window_weight: jax.Array
+    grad_sq_norm: jax.Array
+    noise_trace: jax.Array
+    noise_scale: jax.Array
 
 
 class MultiSteps:
@@ -211,6 +228,8 @@ class MultiSteps:
         window_accumulator: WindowAccumulator | None = None,
         unreduced_axes: str | Sequence[str] = (),
         window_reduction: _partials.WindowReduction | None = None,
+        track_noise_scale: bool = False,
+        noise_scale_decay: float = 0.95,
     ):
         """Builds the wrapper.
 
@@ -253,8 +272,22 @@ class MultiSteps:
             `gradaccum_jax.ternary_window_reduction` (ternary codes on the
             wire; its state goes in ``MultiStepsState.reduction_state``).
             `reduce_window` (for checkpoints) always sums exactly.
+          track_noise_scale: estimate the gradient noise scale from the
+            micro-batch and window gradient norms (McCandlish et al. 2018,
+            see `stats`): one fused squared norm per micro-step, one per
+            emission. Under pmap / shard_map with an averaging inner chain
+            the window is the device's own, so the estimate is the
+            device-local one (batch sizes of one device).
+          noise_scale_decay: decay in [0, 1) of the moving averages of the
+            ``|G|^2`` and ``tr(S)`` estimates (bias-corrected; 0 keeps the
+            last window's).
         """
-        if isinstance(every_k_schedule, int | np.integer) and not isinstance(
+        self._adaptive = None
+        if isinstance(every_k_schedule, _noise_scale.AdaptiveWindow):
+            self._adaptive = every_k_schedule
+            track_noise_scale = True
+            self._every_k_schedule = lambda step: every_k_schedule.k_min
+        elif isinstance(every_k_schedule, int | np.integer) and not isinstance(
             every_k_schedule, bool
         ):
             every_k = _checks.window_size("every_k_schedule", every_k_schedule)
@@ -263,9 +296,12 @@ class MultiSteps:
             self._every_k_schedule = every_k_schedule
         else:
             raise ValueError(
-                "`every_k_schedule` must be an integer >= 1 or a function of "
-                f"the gradient step returning one, got {every_k_schedule!r}."
+                "`every_k_schedule` must be an integer >= 1, a function of the "
+                "gradient step returning one or an adaptive_every_k, got "
+                f"{every_k_schedule!r}."
             )
+        self._track_noise = _checks.boolean("track_noise_scale", track_noise_scale)
+        self._noise_decay = _checks.decay_rate("noise_scale_decay", noise_scale_decay)
         self._opt = optax.with_extra_args_support(_checks.transformation("opt", opt))
         self._use_grad_mean = _checks.boolean("use_grad_mean", use_grad_mean)
         self._should_skip_update_fn = _skip_function(
@@ -274,6 +310,14 @@ class MultiSteps:
         self._count_skipped = _checks.boolean("count_skipped", count_skipped)
         accumulator_dtype = _checks.float_dtype("accumulator_dtype", accumulator_dtype)
         self._unreduced_axes = _checks.axis_names("unreduced_axes", unreduced_axes)
+        if self._unreduced_axes and self._track_noise:
+            raise ValueError(
+                "`track_noise_scale` (or an adaptive_every_k schedule) cannot be "
+                "combined with `unreduced_axes` yet: the micro-batch norms of "
+                "unreduced gradients are per-device terms. Use "
+                "microbatched_value_and_grad(..., return_noise_scale=True) or "
+                "track the noise scale without `unreduced_axes`."
+            )
         if self._unreduced_axes and self._should_skip_update_fn is not None:
             raise ValueError(
                 "`unreduced_axes` cannot be combined with `should_skip_update_fn` "
@@ -325,6 +369,8 @@ class MultiSteps:
             micro_steps=jnp.zeros([], jnp.int32),
             emitted=jnp.zeros([], jnp.bool_),
             reduction_state=self._reduction.init(params),
+            noise=_noise_scale.init() if self._track_noise else (),
+            window_size=() if self._adaptive is None else self._adaptive.initial_size(),
         )
 
     def update(
@@ -397,12 +443,12 @@ class MultiSteps:
             state.acc_grads,
         )
         acc = self._accumulator.add(acc, updates, weight)
+        if self._track_noise:  # fuses into the add's pass over the gradients
+            state = state._replace(noise=_noise_scale.add(state.noise, updates, weight))
         fills_window = accept if not self._count_skipped else jnp.asarray(True)
         mini_step = state.mini_step + fills_window.astype(jnp.int32)
         # `>=` rather than `==`: a schedule may shrink k mid-window.
-        emit = jnp.logical_and(
-            fills_window, mini_step >= self._window_size(state.gradient_step)
-        )
+        emit = jnp.logical_and(fills_window, mini_step >= self._window_size(state))
         state = state._replace(
             mini_step=mini_step,
             acc_grads=acc,
@@ -451,17 +497,38 @@ class MultiSteps:
             acc_grads=self._accumulator.reset(state.acc_grads),
             acc_weight=_tree.zeros_like(state.acc_weight),
             emitted=jnp.zeros_like(state.emitted),
+            noise=_noise_scale.empty_window(state.noise),
         )
 
     def stats(self, state: MultiStepsState) -> AccumulationStats:
-        """Returns micro-batches seen, updates emitted and the window's fill."""
+        """Micro-batches seen, updates emitted, the window, the noise scale.
+
+        With ``track_noise_scale=True``, ``grad_sq_norm``, ``noise_trace``
+        and ``noise_scale`` are the moving averages of each window's
+        unbiased estimates of ``|G|^2`` and ``tr(S)`` from the squared norms
+        at two batch sizes, the micro-batch and the window, and their ratio
+        ``B_simple`` (McCandlish et al. 2018, "An Empirical Model of
+        Large-Batch Training", appendix A; see `gradaccum_jax._noise_scale`
+        for the weighted formulas). Units: those of ``weight`` (examples
+        when each micro-batch's weight is its number of examples and its
+        gradient their mean; micro-batches without weights). A window of
+        one micro-batch gives no estimate (one batch size measures
+        nothing): they stay NaN until a window of two or more micro-batches
+        of nonzero weight closes. With ``ternary_accumulate`` the window's
+        norm includes the compression's noise, so ``tr(S)`` is
+        underestimated by the codes' variance. Not tracked: NaN.
+        """
         _check_state(state, "stats")
+        noise = _noise_scale.estimate(getattr(state, "noise", ()))
         return AccumulationStats(
             micro_steps=state.micro_steps,
             gradient_steps=state.gradient_step,
             window_fill=state.mini_step,
-            window_size=jnp.asarray(self._window_size(state.gradient_step), jnp.int32),
+            window_size=jnp.asarray(self._window_size(state), jnp.int32),
             window_weight=self._window_total(state.acc_weight),
+            grad_sq_norm=noise.grad_sq_norm,
+            noise_trace=noise.noise_trace,
+            noise_scale=noise.noise_scale,
         )
 
     def has_updated(self, state: MultiStepsState | optax.OptState) -> jax.Array:
@@ -589,7 +656,9 @@ class MultiSteps:
         # decode) would then run on every micro-step instead of once per
         # window.
         def emit_window(carry):
-            updates, rest, window_weight, (inner_state, reduction_state), _ = carry
+            updates, rest, window_weight, (inner_state, reduction_state), _, noise = (
+                carry
+            )
             reset_window = slots.rest(
                 self._accumulator.reset(slots.window(updates, rest))
             )
@@ -600,6 +669,13 @@ class MultiSteps:
             (rest, acc_weight), reduction_state = self._reduction.reduce(
                 (rest, window_weight), self._unreduced_axes, reduction_state
             )
+            if self._track_noise:  # the same acc_weight, ordered after the norm
+                noise, acc_weight = _noise_scale.close_window(
+                    noise,
+                    acc_weight,
+                    self._accumulator.total(slots.window(updates, rest)),
+                    self._noise_decay,
+                )
             # A window of zero weight (all padding, all skipped) closes
             # without stepping the inner optimizer: adam's momentum would
             # still move the params, adamw would decay them. A nested 0/1
@@ -625,18 +701,22 @@ class MultiSteps:
                 _tree.zeros_like(window_weight),
                 (inner_state, reduction_state),
                 stepped,
+                noise,
             )
 
-        updates, rest, acc_weight, (inner_state, reduction_state), stepped = run_if(
-            emit,
-            emit_window,
-            (
-                slots.initial_updates(state.acc_grads, scratch),
-                slots.rest(state.acc_grads),
-                state.acc_weight,
-                (state.inner_opt_state, state.reduction_state),
-                jnp.zeros([], jnp.bool_),
-            ),
+        updates, rest, acc_weight, (inner_state, reduction_state), stepped, noise = (
+            run_if(
+                emit,
+                emit_window,
+                (
+                    slots.initial_updates(state.acc_grads, scratch),
+                    slots.rest(state.acc_grads),
+                    state.acc_weight,
+                    (state.inner_opt_state, state.reduction_state),
+                    jnp.zeros([], jnp.bool_),
+                    state.noise,
+                ),
+            )
         )
         new_updates = slots.updates_tree(
             [jnp.where(emit, u, jnp.zeros((), u.dtype)) for u in updates]
@@ -651,11 +731,22 @@ class MultiSteps:
             acc_weight=acc_weight,
             emitted=jnp.logical_and(emit, stepped),
             reduction_state=reduction_state,
+            noise=noise,
         )
+        if self._adaptive is not None:
+            next_size = self._adaptive.next_size(
+                state.window_size, _noise_scale.estimate(noise)
+            )
+            new_state = new_state._replace(
+                window_size=jnp.where(emit, next_size, state.window_size)
+            )
         return new_updates, new_state
 
-    def _window_size(self, gradient_step):
-        """Micro-batches in the window at ``gradient_step``: the schedule's k, >= 1.
+    def _window_size(self, state):
+        """Micro-batches in the current window: the schedule's k, >= 1.
+
+        An adaptive window's size is kept in the state; a schedule's is a
+        function of ``state.gradient_step``.
 
         A schedule returning k <= 0 is a bug that a traced k cannot report.
         optax's MultiSteps then never emits again: training silently stops
@@ -663,7 +754,9 @@ class MultiSteps:
         1 (every micro-batch is its own window), the nearest window that has
         a meaning, and `stats` reports that 1.
         """
-        return jnp.maximum(self._every_k_schedule(gradient_step), 1)
+        if self._adaptive is not None:
+            return state.window_size
+        return jnp.maximum(self._every_k_schedule(state.gradient_step), 1)
 
     def _window_gradient(self, acc, acc_weight, grads_like):
         """The window's weighted mean (or sum), in the gradients' dtypes."""
@@ -936,6 +1029,8 @@ def accumulate(
     count_skipped: bool = True,
     accumulator_dtype: Any = jnp.float32,
     unreduced_axes: str | Sequence[str] = (),
+    track_noise_scale: bool = False,
+    noise_scale_decay: float = 0.95,
     average: bool | None = None,
 ) -> AccumulationTransformation:
     """Accumulation as a transformation, for use inside `optax.chain`.
@@ -958,6 +1053,9 @@ def accumulate(
         float32: of a running mean, see `float_accumulator`).
       unreduced_axes: as in `MultiSteps`: mesh axes over which gradients
         arrive unreduced, reduced once per window.
+      track_noise_scale: as in `MultiSteps`: estimate the gradient noise
+        scale (`stats`).
+      noise_scale_decay: as in `MultiSteps`.
       average: deprecated spelling of ``use_grad_mean``.
 
     Returns:
@@ -971,7 +1069,7 @@ def accumulate(
             stacklevel=2,
         )
         use_grad_mean = _checks.boolean("average", average)
-    if not callable(every_k):
+    if not callable(every_k) and not isinstance(every_k, _noise_scale.AdaptiveWindow):
         _checks.window_size("every_k", every_k)
     return MultiSteps(
         opt,
@@ -982,4 +1080,6 @@ def accumulate(
         skip_nonfinite=skip_nonfinite,
         count_skipped=count_skipped,
         unreduced_axes=unreduced_axes,
+        track_noise_scale=track_noise_scale,
+        noise_scale_decay=noise_scale_decay,
     ).gradient_transformation()

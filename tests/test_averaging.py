@@ -363,11 +363,13 @@ def _big_batch_reference(inputs, targets, mask):
     return params
 
 
-def _data_parallel_optimizer(wrapper):
+def _data_parallel_optimizer(wrapper, track_noise_scale=False):
     inner = optax.chain(ga.average_across_devices("d"), _inner_optimizer())
     if wrapper == "MultiSteps":
-        return ga.MultiSteps(inner, every_k_schedule=K)
-    return ga.accumulate(inner, K)
+        return ga.MultiSteps(
+            inner, every_k_schedule=K, track_noise_scale=track_noise_scale
+        )
+    return ga.accumulate(inner, K, track_noise_scale=track_noise_scale)
 
 
 def _micro_step(opt, params, opt_state, inputs, targets, mask):
@@ -388,10 +390,13 @@ def _assert_all_devices_match(params_per_device, reference):
     )
 
 
-@pytest.mark.parametrize("wrapper", ["MultiSteps", "accumulate"])
-def test_data_parallel_accumulation_equals_big_batch_under_pmap(wrapper):
+@pytest.mark.parametrize(
+    ("wrapper", "track"),
+    [("MultiSteps", False), ("accumulate", False), ("accumulate", True)],
+)
+def test_data_parallel_accumulation_equals_big_batch_under_pmap(wrapper, track):
     inputs, targets, mask = _ragged_data()
-    opt = _data_parallel_optimizer(wrapper)
+    opt = _data_parallel_optimizer(wrapper, track)
     params = _replicate(_initial_params())
     opt_state = _replicate(opt.init(_initial_params()))
     train_step = jax.pmap(
@@ -404,11 +409,15 @@ def test_data_parallel_accumulation_equals_big_batch_under_pmap(wrapper):
         emitted = (step + 1) % K == 0
         np.testing.assert_array_equal(opt_state.emitted, [emitted] * N_DEVICES)
     _assert_all_devices_match(params, _big_batch_reference(inputs, targets, mask))
+    if track:  # the device-local estimate: finite, one per device
+        noise_trace = jax.vmap(opt.stats)(opt_state).noise_trace
+        assert noise_trace.shape == (N_DEVICES,) and np.isfinite(noise_trace).all()
 
 
-def test_data_parallel_accumulation_equals_big_batch_under_shard_map(mesh):
+@pytest.mark.parametrize("track", [False, True])
+def test_data_parallel_accumulation_equals_big_batch_under_shard_map(mesh, track):
     inputs, targets, mask = _ragged_data()
-    opt = _data_parallel_optimizer("MultiSteps")
+    opt = _data_parallel_optimizer("MultiSteps", track)
 
     def train(params, inputs, targets, mask):
         # Replicated (P()) params are device-invariant, and JAX's autodiff

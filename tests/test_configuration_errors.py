@@ -43,6 +43,7 @@ VALID: dict[str, dict[str, Any]] = {
     "ternary_window_reduction": {"seed": 0},
     "microbatched_value_and_grad": {"loss_fn": _loss, "num_microbatches": 2},
     "local_value_and_grad": {"loss_fn": _loss, "axis_name": "data"},
+    "adaptive_every_k": {"micro_batch_size": 16, "k_min": 2, "k_max": 8},
 }
 
 # Arguments that are inputs, not configuration.
@@ -74,6 +75,7 @@ CALLABLE = r"callable"
 TRANSFORMATION = r"GradientTransformation"
 ACCUMULATOR = r"WindowAccumulator"
 MESH_AXES = r"mesh-axis name or a sequence of distinct"
+DECAY = r"number in \[0, 1\)"
 
 NAN, INF = math.nan, math.inf
 
@@ -214,6 +216,22 @@ TABLE: list[Row] = [
     Row("microbatched_value_and_grad", "unreduced_grads", ("True", None), BOOL),
     # Unreduced over which axis: it needs `data_axis`.
     Row("microbatched_value_and_grad", "unreduced_grads", (True,), r"data_axis"),
+    # The gradient noise scale.
+    *_rows_for(ACCUMULATORS, "track_noise_scale", ("True", None, 1), BOOL),
+    *_rows_for(
+        ACCUMULATORS, "noise_scale_decay", (1.0, -0.1, NAN, INF, "0.9", None), DECAY
+    ),
+    Row("microbatched_value_and_grad", "return_noise_scale", ("True", None), BOOL),
+    Row(
+        "adaptive_every_k",
+        "micro_batch_size",
+        (0, -1.0, NAN, INF, "16", None, True),
+        POSITIVE_FINITE,
+    ),
+    Row("adaptive_every_k", "k_min", BAD_COUNTS, INTEGER_GE_1),
+    Row("adaptive_every_k", "k_max", BAD_COUNTS, INTEGER_GE_1),
+    # k_max below k_min.
+    Row("adaptive_every_k", "k_max", (1,), r"integer >= k_min \(2\)"),
 ]
 
 
@@ -253,6 +271,8 @@ def test_valid_arguments_construct():
             assert isinstance(built, ga.WindowAccumulator)
         elif name == "ternary_window_reduction":
             assert isinstance(built, ga._partials.WindowReduction)
+        elif name == "adaptive_every_k":
+            assert isinstance(built, ga.AdaptiveWindow)
         elif name in ("microbatched_value_and_grad", "local_value_and_grad"):
             assert callable(built) and not hasattr(built, "init"), name
         else:  # a transformation (MultiSteps is one with methods)

@@ -43,6 +43,7 @@ def test_there_are_notebooks():
         "02_data_parallel.ipynb",
         "03_ternary.ipynb",
         "04_microbatching.ipynb",
+        "05_noise_scale.ipynb",
     ]
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax import _weights
+from gradaccum_jax import _noise_scale, _weights
 from gradaccum_jax._tree import vary_over, varying_axes
 
 if TYPE_CHECKING:
@@ -82,14 +82,17 @@ def weighted_sums(
     microbatches: Any,
     accumulator_dtype: jnp.dtype,
     shard: ShardedParams | None = None,
-) -> tuple[Any, Any, jax.Array, Any, Any]:
+    noise_terms: bool = False,
+) -> tuple[Any, ...]:
     """Scans the micro-batches, summing ``w_i * value_i`` and ``w_i * grads_i``.
 
     With ``shard``, each weighted gradient contribution goes through
     ``shard.reduce_contribution`` (a reduce-scatter for parameters gathered
     per micro-batch) before it is added. Returns the value sums, gradient
     sums, the total weight, and the shapes and dtypes of one micro-batch's
-    value and gradients.
+    value and gradients; with ``noise_terms``, also the `NoiseScaleState`
+    whose ``A`` and ``k`` hold the micro-batches' weighted squared gradient
+    norms and their count (summed in the same scan step as the gradients).
     """
     reduce_contribution = (lambda g: g) if shard is None else shard.reduce_contribution
     num_microbatches = jax.tree.leaves(microbatches)[0].shape[0]
@@ -111,7 +114,7 @@ def weighted_sums(
     )
 
     def accumulate(carry: Any, scanned: Any) -> Any:
-        acc_value, acc_grads, total_weight = carry
+        acc_value, acc_grads, total_weight, *noise = carry
         microbatch, index = scanned
         value, grads = call(microbatch, index)
         weight = weight_of(microbatch).astype(accumulator_dtype)
@@ -125,12 +128,14 @@ def weighted_sums(
         acc_value = jax.tree.map(jnp.add, acc_value, jax.tree.map(weighted, value))
         contribution = jax.tree.map(weighted, grads)
         acc_grads = jax.tree.map(jnp.add, acc_grads, reduce_contribution(contribution))
-        return (acc_value, acc_grads, total_weight + weight), None
+        noise = [_noise_scale.add(n, grads, weight.astype(jnp.float32)) for n in noise]
+        return (acc_value, acc_grads, total_weight + weight, *noise), None
 
     init = (
         carry_zeros(value_shape, accumulator_dtype),
         carry_zeros(acc_shape, accumulator_dtype),
         carry_zeros(weight_shape, accumulator_dtype),
+        *([_noise_scale.init()] if noise_terms else []),
     )
     if num_microbatches == 1:
         # A one-step scan still keeps a copy of the carry and the loop
@@ -140,7 +145,7 @@ def weighted_sums(
     else:
         indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
         carry, _ = jax.lax.scan(accumulate, init, (microbatches, indices))
-    return (*carry, value_shape, grads_shape)
+    return (*carry[:3], value_shape, grads_shape, *carry[3:])
 
 
 def weighted_means(

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _noise_scale
 from gradaccum_jax._microbatching._batch import checked_batch_size, strided_split
 from gradaccum_jax._microbatching._keys import KeySlot, key_slot
 from gradaccum_jax._microbatching._scan import (
@@ -33,6 +33,7 @@ def microbatched_value_and_grad(
     data_axis: str | None = None,
     gather_params_once: bool = True,
     unreduced_grads: bool = False,
+    return_noise_scale: bool = False,
 ) -> Callable[..., Any]:
     """``jax.value_and_grad`` over a batch split into micro-batches.
 
@@ -110,6 +111,16 @@ def microbatched_value_and_grad(
     weight (scalars) are all-reduced. Leaves reduce-scattered per
     micro-batch (``gather_params_once=False``) come back reduced.
 
+    ``return_noise_scale=True`` adds a third output, a
+    `NoiseScaleEstimate` of this step: ``|G|^2``, ``tr(S)`` and
+    ``B_simple = tr(S) / |G|^2`` from the squared norms of the micro-batch
+    gradients and of their weighted mean (McCandlish et al. 2018, appendix
+    A; the formulas are those of `MultiSteps`' ``track_noise_scale``, in
+    units of ``weight_fn``, micro-batches without it). One step's estimate
+    is noisy: average ``grad_sq_norm`` and ``noise_trace`` over steps
+    before taking their ratio. NaN with fewer than two micro-batches of
+    nonzero weight. Not with ``data_axis``.
+
     Inside ``jax.pmap`` the function adds no collective: follow it with one
     cross-device mean of the gradients (``jax.lax.pmean`` or
     ``gradaccum_jax.average_across_devices``, weighted by the device's
@@ -162,12 +173,14 @@ def microbatched_value_and_grad(
         it are gathered once per step (True) or in every micro-batch.
       unreduced_grads: with ``data_axis`` on an Explicit mesh, return the
         gradients unreduced over it instead of all-reducing them.
+      return_noise_scale: also return this step's `NoiseScaleEstimate`.
 
     Returns:
       A function with the signature of ``loss_fn`` returning
       ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux=True``;
       ``loss`` in the dtype ``loss_fn`` returns and ``grads`` in the dtype of
-      the parameters.
+      the parameters; with ``return_noise_scale=True``, a third output, the
+      `NoiseScaleEstimate`.
 
     Raises:
       ValueError: at construction if ``num_microbatches`` is not an integer
@@ -204,6 +217,12 @@ def microbatched_value_and_grad(
             "`unreduced_grads`=True needs `data_axis`: gradients are unreduced "
             "over the mesh axis the batch is sharded over."
         )
+    return_noise_scale = _checks.boolean("return_noise_scale", return_noise_scale)
+    if return_noise_scale and data_axis is not None:
+        raise ValueError(
+            "`return_noise_scale`=True is not supported with `data_axis` (the "
+            "micro-batch norms would be per-device terms): pass data_axis=None."
+        )
     value_and_grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
     def weight_of(microbatch: Any) -> jax.Array:
@@ -218,6 +237,18 @@ def microbatched_value_and_grad(
 
     @functools.wraps(loss_fn)
     def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if data_axis is None and return_noise_scale:
+            checked_batch_size(batch, num_microbatches)
+            call = MicrobatchCall(value_and_grad_fn, params, args, kwargs, key, None)
+            microbatches = strided_split(batch, num_microbatches)
+            *sums, noise = weighted_sums(
+                call, weight_of, microbatches, accumulator_dtype, noise_terms=True
+            )
+            value, grads = weighted_means(*sums)
+            estimate = _noise_scale.batch_estimate(
+                noise.sq_norm_sum, noise.count, sums[2].astype(jnp.float32), grads
+            )
+            return value, grads, estimate
         if data_axis is None:
             checked_batch_size(batch, num_microbatches)
             return weighted_means(*local_sums(params, batch, args, kwargs))

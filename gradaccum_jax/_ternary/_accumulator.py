@@ -16,6 +16,7 @@ from gradaccum_jax._accumulation import (
     MultiSteps,
     ShouldSkipUpdateFunction,
 )
+from gradaccum_jax._noise_scale import AdaptiveWindow
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._leaves import (
     DEFAULT_MIN_SIZE,
@@ -208,6 +209,8 @@ def ternary_accumulate(
     should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
     skip_nonfinite: bool = False,
     count_skipped: bool = False,
+    track_noise_scale: bool = False,
+    noise_scale_decay: float = 0.95,
 ) -> AccumulationTransformation:
     """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
 
@@ -247,13 +250,19 @@ def ternary_accumulate(
       should_skip_update_fn: as in `MultiSteps`.
       skip_nonfinite: as in `MultiSteps`.
       count_skipped: as in `MultiSteps`.
+      track_noise_scale: as in `MultiSteps`. The window's norm is that of
+        the decoded codes, whose variance enters it: ``tr(S)`` comes out low
+        by about the codes' variance times the window weight.
+      noise_scale_decay: as in `MultiSteps`.
 
     Returns:
       An `AccumulationTransformation` (``init``, ``update``, ``flush``,
       ``reset``, ``stats``, ``has_updated``), as `MultiSteps` gives; the
       state's ``acc_grads`` is a `TernaryAccumulatorState`.
     """
-    if callable(every_k):
+    if isinstance(every_k, AdaptiveWindow):
+        limit = every_k.k_max
+    elif callable(every_k):
         limit = (
             _CODE_SUM_DTYPES[-1][0]
             if max_every_k is None
@@ -275,4 +284,6 @@ def ternary_accumulate(
         skip_nonfinite=skip_nonfinite,
         count_skipped=count_skipped,
         window_accumulator=accumulator,
+        track_noise_scale=track_noise_scale,
+        noise_scale_decay=noise_scale_decay,
     ).gradient_transformation()

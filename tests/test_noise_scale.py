@@ -1,0 +1,421 @@
+"""The gradient noise scale (McCandlish et al. 2018, appendix A).
+
+Exact algebra on hand-made windows; unbiasedness against closed forms on
+linear regression with Gaussian noise (many seeds, vectorized); agreement
+with a brute-force per-example covariance on scikit-learn's digits; the
+adaptive window; the memory cost of tracking.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradaccum_jax as ga
+
+# --- exact algebra -------------------------------------------------------------
+
+
+def _window(opt, grads, weights):
+    params = {"w": jnp.zeros(np.shape(grads[0]))}
+    state = opt.init(params)
+    for g, w in zip(grads, weights, strict=True):
+        _, state = opt.update({"w": jnp.asarray(g, jnp.float32)}, state, weight=w)
+    return state
+
+
+def _formula(grads, weights):
+    """The weighted estimator in float64 numpy."""
+    g, w = np.asarray(grads, np.float64), np.asarray(weights, np.float64)
+    total, k = w.sum(), np.count_nonzero(w)
+    a = np.sum(w * np.sum(g**2, axis=1))
+    c = np.sum((w @ g / total) ** 2)
+    trace = (a - total * c) / (k - 1)
+    return c - trace / total, trace
+
+
+@pytest.mark.parametrize("make", ["MultiSteps", "accumulate"])
+def test_one_window_matches_the_weighted_formula(make):
+    grads = [[1.0, 2.0, -1.0], [3.0, 0.5, 0.0], [-2.0, 1.0, 4.0], [0.0, 0.0, 1.0]]
+    weights = [3.0, 1.0, 5.0, 2.0]
+    build = getattr(ga, make)
+    opt = build(optax.sgd(0.0), 4, track_noise_scale=True, noise_scale_decay=0.0)
+    stats = opt.stats(_window(opt, grads, weights))
+    grad_sq_norm, trace = _formula(grads, weights)
+    np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-5)
+    np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-5)
+    np.testing.assert_allclose(stats.noise_scale, trace / grad_sq_norm, rtol=1e-5)
+    assert {v.dtype for v in stats[5:]} == {jnp.dtype(jnp.float32)}
+
+
+def test_equal_weights_give_the_papers_two_batch_formulas():
+    """B_small = b, B_big = k b (McCandlish et al. 2018, eq. A.2)."""
+    grads = [[1.0, 2.0], [3.0, -1.0], [0.0, 1.5]]
+    b = 4.0
+    opt = ga.MultiSteps(
+        optax.sgd(0.0), 3, track_noise_scale=True, noise_scale_decay=0.0
+    )
+    stats = opt.stats(_window(opt, grads, [b] * 3))
+    small = np.mean(np.sum(np.square(grads), axis=1))
+    big_batch = 3 * b
+    big = np.sum(np.mean(grads, axis=0) ** 2)
+    paper_g2 = (big_batch * big - b * small) / (big_batch - b)
+    paper_trace = (small - big) / (1 / b - 1 / big_batch)
+    np.testing.assert_allclose(stats.grad_sq_norm, paper_g2, rtol=1e-5)
+    np.testing.assert_allclose(stats.noise_trace, paper_trace, rtol=1e-5)
+
+
+def test_moving_average_is_bias_corrected_and_b_is_a_ratio_of_averages():
+    decay = 0.5
+    opt = ga.MultiSteps(
+        optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=decay
+    )
+    first, second = [[3.0, 0.0], [3.0, 4.0]], [[1.0, 1.0], [-1.0, 2.0]]
+    state = _window(opt, first + second, [1.0] * 4)
+    (g1, t1), (g2, t2) = _formula(first, [1, 1]), _formula(second, [1, 1])
+    norm = 1 - decay**2
+    g_avg = (decay * (1 - decay) * g1 + (1 - decay) * g2) / norm
+    t_avg = (decay * (1 - decay) * t1 + (1 - decay) * t2) / norm
+    stats = opt.stats(state)
+    np.testing.assert_allclose(stats.grad_sq_norm, g_avg, rtol=1e-5)
+    np.testing.assert_allclose(stats.noise_trace, t_avg, rtol=1e-5)
+    np.testing.assert_allclose(stats.noise_scale, t_avg / g_avg, rtol=1e-5)
+
+
+def test_nan_where_undefined_never_a_division_by_zero():
+    # Not tracked.
+    untracked = ga.MultiSteps(optax.sgd(0.0), 2)
+    stats = untracked.stats(_window(untracked, [[1.0], [2.0]], [1, 1]))
+    assert all(bool(jnp.isnan(v)) for v in stats[5:])
+    assert untracked.init({"w": jnp.zeros(1)}).noise == ()
+    # A window of one micro-batch measures one batch size: no estimate.
+    single = ga.MultiSteps(optax.sgd(0.0), 1, track_noise_scale=True)
+    stats = single.stats(_window(single, [[1.0], [2.0], [5.0]], [1, 1, 1]))
+    assert all(bool(jnp.isnan(v)) for v in stats[5:])
+    # A window whose weight sits on one micro-batch (the others skipped).
+    opt = ga.MultiSteps(optax.sgd(0.0), 3, track_noise_scale=True)
+    state = _window(opt, [[1.0], [np.nan], [2.0]], [0.0, 0.0, 4.0])
+    assert int(state.gradient_step) == 1
+    assert (float(state.noise.sq_norm_sum), float(state.noise.count)) == (0.0, 0.0)
+    assert all(bool(jnp.isnan(v)) for v in opt.stats(state)[5:])
+
+
+def test_zero_weight_micro_batches_are_not_counted_even_with_nans():
+    opt = ga.MultiSteps(
+        optax.sgd(0.0), 4, track_noise_scale=True, noise_scale_decay=0.0
+    )
+    grads = [[1.0, 2.0], [np.nan, np.inf], [3.0, -1.0], [0.0, 1.0]]
+    stats = opt.stats(_window(opt, grads, [2.0, 0.0, 1.0, 3.0]))
+    g2, trace = _formula([grads[0], grads[2], grads[3]], [2.0, 1.0, 3.0])
+    np.testing.assert_allclose(stats.grad_sq_norm, g2, rtol=1e-5)
+    np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-5)
+
+
+def test_reset_drops_the_partial_windows_terms_and_keeps_the_estimate():
+    opt = ga.MultiSteps(
+        optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=0.0
+    )
+    state = _window(opt, [[3.0, 0.0], [3.0, 4.0], [100.0, 0.0]], [1.0] * 3)
+    assert float(state.noise.sq_norm_sum) == 10000.0
+    before = opt.stats(state)
+    state = opt.reset(state)
+    assert (float(state.noise.sq_norm_sum), float(state.noise.count)) == (0.0, 0.0)
+    assert float(opt.stats(state).noise_trace) == float(before.noise_trace)
+
+
+def test_ternary_accumulate_tracks_the_noise_scale_with_the_codes_noise():
+    """The window's norm is the decoded codes': their variance enters C, so
+    tr(S) comes out lower and |G|^2 higher than from a float window."""
+    kwargs = {"track_noise_scale": True, "noise_scale_decay": 0.0}
+    ternary = ga.ternary_accumulate(optax.sgd(0.0), 4, min_size=1, **kwargs)
+    exact = ga.accumulate(optax.sgd(0.0), 4, **kwargs)
+    params = {"w": jnp.zeros(4096)}
+    states = [ternary.init(params), exact.init(params)]
+    for i in range(4):
+        g = {"w": 1.0 + jax.random.normal(jax.random.key(i), (4096,))}
+        states = [
+            tx.update(g, state, params)[1]
+            for tx, state in zip((ternary, exact), states, strict=True)
+        ]
+    coded, floats = ternary.stats(states[0]), exact.stats(states[1])
+    # The micro-batch norms (A) are the exact gradients' in both.
+    assert 2000 < float(floats.grad_sq_norm) < 6000  # |G|^2 = 4096
+    assert float(coded.noise_trace) < float(floats.noise_trace)
+    assert float(coded.grad_sq_norm) > float(floats.grad_sq_norm)
+
+
+# --- linear regression: closed forms ---------------------------------------------
+
+DIM, SIGMA = 4, 1.0
+DELTA = jnp.array([0.5, -0.3, 0.2, 0.1])  # w - w*
+# Per-example gradient (x.delta - eps) x with x ~ N(0, I), eps ~ N(0, sigma^2):
+# G = delta, S = (|delta|^2 + sigma^2) I + delta delta^T (Isserlis).
+TRUE_G2 = float(DELTA @ DELTA)
+TRUE_TRACE = DIM * (TRUE_G2 + SIGMA**2) + TRUE_G2
+
+
+def _regression_grad(w, x, y, mask):
+    """Gradient of the masked mean of 0.5 (x.w - y)^2."""
+    residual = (x @ w - y) * mask
+    return residual @ x / jnp.maximum(mask.sum(), 1.0)
+
+
+def _regression_estimates(sizes, seeds, use_microbatching=False):
+    """One window of micro-batches of ``sizes`` examples per seed (vmapped)."""
+    sizes = np.asarray(sizes)
+    k, width = len(sizes), int(sizes.max())
+    mask = jnp.asarray(np.arange(width)[None, :] < sizes[:, None], jnp.float32)
+    w_star = jnp.ones(DIM)
+    w = w_star + DELTA
+
+    def one_seed(key):
+        kx, ke = jax.random.split(key)
+        x = jax.random.normal(kx, (k, width, DIM))
+        y = x @ w_star + SIGMA * jax.random.normal(ke, (k, width))
+        if use_microbatching:
+            fn = ga.microbatched_value_and_grad(
+                lambda w, b: (
+                    0.5
+                    * jnp.sum(((b["x"] @ w - b["y"]) * b["m"]) ** 2)
+                    / jnp.maximum(b["m"].sum(), 1.0)
+                ),
+                k,
+                weight_fn=lambda b: b["m"].sum(),
+                return_noise_scale=True,
+            )
+            # Strided split: micro-batch i holds rows i, i + k, ...
+            batch = {
+                "x": x.transpose(1, 0, 2).reshape(-1, DIM),
+                "y": y.T.reshape(-1),
+                "m": mask.T.reshape(-1),
+            }
+            _, _, estimate = fn(w, batch)
+            return estimate.grad_sq_norm, estimate.noise_trace
+        opt = ga.MultiSteps(
+            optax.sgd(0.0), k, track_noise_scale=True, noise_scale_decay=0.0
+        )
+
+        def micro_step(state, micro_batch):
+            xi, yi, mi = micro_batch
+            g = _regression_grad(w, xi, yi, mi)
+            _, state = opt.update(g, state, w, weight=mi.sum())
+            return state, None
+
+        state, _ = jax.lax.scan(micro_step, opt.init(w), (x, y, mask))
+        stats = opt.stats(state)
+        return stats.grad_sq_norm, stats.noise_trace
+
+    keys = jax.random.split(jax.random.key(0), seeds)
+    return jax.jit(jax.vmap(one_seed))(keys)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "microbatching"),
+    [
+        pytest.param([4] * 8, False, id="equal"),
+        pytest.param([1, 2, 3, 4, 5, 6, 7, 12], False, id="weighted"),
+        pytest.param([1, 2, 3, 4, 5, 6, 7, 12], True, id="microbatched"),
+    ],
+)
+def test_unbiased_against_closed_forms_on_linear_regression(sizes, microbatching):
+    seeds = 4000
+    g2, trace = map(np.asarray, _regression_estimates(sizes, seeds, microbatching))
+    for values, truth in ((g2, TRUE_G2), (trace, TRUE_TRACE)):
+        mean, error = values.mean(), values.std() / np.sqrt(seeds)
+        assert abs(mean - truth) < 4 * error, (mean, truth, error)
+        assert error < 0.06 * truth  # enough seeds for the test to have power
+    # The window's norm alone (what one would log) is biased by tr(S) / W:
+    # many standard errors away, so the test above can tell.
+    naive = g2 + trace / np.sum(sizes)
+    assert naive.mean() - TRUE_G2 > 10 * g2.std() / np.sqrt(seeds)
+
+
+# --- digits: brute force -----------------------------------------------------------
+
+
+def _digits_problem():
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits()
+    x = jnp.asarray(digits.data / 16.0, jnp.float32)
+    y = jnp.asarray(digits.target)
+    k1, k2 = jax.random.split(jax.random.key(42))
+    params = {
+        "w1": 0.3 * jax.random.normal(k1, (64, 32)),
+        "b1": jnp.zeros(32),
+        "w2": 0.3 * jax.random.normal(k2, (32, 10)),
+        "b2": jnp.zeros(10),
+    }
+
+    def loss(params, x, y):
+        h = jnp.tanh(x @ params["w1"] + params["b1"])
+        logits = h @ params["w2"] + params["b2"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return params, x, y, loss
+
+
+def test_matches_a_brute_force_covariance_on_digits():
+    params, x, y, loss = _digits_problem()
+    # Brute force: every example's gradient; sampling with replacement makes
+    # the population covariance of these the S of the estimator.
+    per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(
+        params, x[:, None], y[:, None]
+    )
+    flat = jnp.concatenate(
+        [g.reshape(len(x), -1) for g in jax.tree.leaves(per_example)], axis=1
+    )
+    mean = flat.mean(0)
+    brute_g2 = float(mean @ mean)
+    brute_trace = float(jnp.mean(jnp.sum((flat - mean) ** 2, axis=1)))
+
+    k, b, seeds = 8, 16, 1000
+    opt = ga.MultiSteps(
+        optax.sgd(0.0), k, track_noise_scale=True, noise_scale_decay=0.0
+    )
+    grad = jax.grad(loss)
+
+    def one_seed(key):
+        index = jax.random.randint(key, (k, b), 0, len(x))
+
+        def micro_step(state, i):
+            _, state = opt.update(grad(params, x[i], y[i]), state, params, weight=b)
+            return state, None
+
+        state, _ = jax.lax.scan(micro_step, opt.init(params), index)
+        stats = opt.stats(state)
+        return stats.grad_sq_norm, stats.noise_trace
+
+    keys = jax.random.split(jax.random.key(1), seeds)
+    g2, trace = map(np.asarray, jax.jit(jax.vmap(one_seed))(keys))
+    for values, truth in ((g2, brute_g2), (trace, brute_trace)):
+        mean_value, error = values.mean(), values.std() / np.sqrt(seeds)
+        assert abs(mean_value - truth) < 4 * error, (mean_value, truth, error)
+        assert error < 0.1 * truth
+    # B_simple from the averages, as the paper advises: within 10%.
+    ratio = trace.mean() / g2.mean()
+    assert abs(ratio / (brute_trace / brute_g2) - 1) < 0.1
+
+
+def test_microbatched_estimate_equals_the_accumulators_on_the_same_batches():
+    params, x, y, loss = _digits_problem()
+    k, b = 4, 8
+    batch = {"x": x[: k * b], "y": y[: k * b]}
+    fn = ga.microbatched_value_and_grad(
+        lambda p, mb: loss(p, mb["x"], mb["y"]), k, return_noise_scale=True
+    )
+    value, grads, estimate = jax.jit(fn)(params, batch)
+    plain_value, plain_grads = ga.microbatched_value_and_grad(
+        lambda p, mb: loss(p, mb["x"], mb["y"]), k
+    )(params, batch)
+    np.testing.assert_allclose(value, plain_value, rtol=1e-6)
+    opt = ga.MultiSteps(
+        optax.sgd(0.0), k, track_noise_scale=True, noise_scale_decay=0.0
+    )
+    state = opt.init(params)
+    for i in range(k):  # the strided micro-batches
+        _, state = opt.update(
+            jax.grad(loss)(params, x[i : k * b : k], y[i : k * b : k]), state, params
+        )
+    stats = opt.stats(state)
+    assert isinstance(estimate, ga.NoiseScaleEstimate)
+    np.testing.assert_allclose(estimate.grad_sq_norm, stats.grad_sq_norm, rtol=1e-4)
+    np.testing.assert_allclose(estimate.noise_trace, stats.noise_trace, rtol=1e-4)
+    np.testing.assert_allclose(estimate.noise_scale, stats.noise_scale, rtol=1e-4)
+
+
+def test_microbatched_noise_scale_needs_no_data_axis():
+    with pytest.raises(ValueError, match="`return_noise_scale`=True is not supported"):
+        ga.microbatched_value_and_grad(
+            lambda p, b: p, 2, data_axis="data", return_noise_scale=True
+        )
+
+
+# --- the adaptive window -----------------------------------------------------------
+
+
+def test_adaptive_window_follows_b_simple_at_window_boundaries_only():
+    # Windows of 2, g = a + n then a - n: tr(S) = 2 |n|^2 = 8,
+    # |G|^2 = |a|^2 - |n|^2 = 5, B_simple = 1.6 micro-batches;
+    # micro_batch_size 0.25 asks for 6.4 -> 6. A window of 6 alternating
+    # ones: A = 78, C = 9, W = 6: tr(S) = 4.8, |G|^2 = 8.2, B = 0.585 -> 2.
+    opt = ga.MultiSteps(
+        optax.sgd(1.0), ga.adaptive_every_k(0.25, 2, 10), noise_scale_decay=0.0
+    )
+    params = jnp.zeros(2)
+    state = opt.init(params)
+    assert state.window_size.dtype == jnp.int32 and int(state.window_size) == 2
+    a, n = jnp.array([3.0, 0.0]), jnp.array([0.0, 2.0])
+    sizes, emitted = [], []
+    step = jax.jit(lambda g, s: opt.update(g, s, params))
+    for i in range(2 + 6 + 6):
+        g = a + n if i % 2 == 0 else a - n
+        _, state = step(g, state)
+        sizes.append(int(opt.stats(state).window_size))
+        emitted.append(bool(opt.has_updated(state)))
+    np.testing.assert_allclose(opt.stats(state).noise_scale, 1.6, rtol=1e-6)
+    assert sizes == [2] + [6] * 6 + [2, 2] + [6] * 5
+    assert [i for i, e in enumerate(emitted) if e] == [1, 7, 9]
+    # Bounded: a tiny micro-batch asks for more than k_max.
+    bounded = ga.MultiSteps(
+        optax.sgd(1.0), ga.adaptive_every_k(0.01, 2, 10), noise_scale_decay=0.0
+    )
+    state = bounded.init(params)
+    for g in (a + n, a - n):
+        _, state = bounded.update(g, state, params)
+    assert int(state.window_size) == 10
+
+
+def test_adaptive_window_is_in_the_state_and_survives_a_round_trip():
+    tx = ga.accumulate(optax.sgd(1.0), ga.adaptive_every_k(0.25, 2, 10))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for g in ([3.0, 2.0], [3.0, -2.0], [1.0, 0.0]):
+        _, state = tx.update(jnp.asarray(g), state, params)
+    restored = jax.tree.unflatten(
+        jax.tree.structure(state), [np.asarray(v) for v in jax.tree.leaves(state)]
+    )
+    for g in ([1.0, 1.0], [2.0, 0.0]):
+        out_a, state = tx.update(jnp.asarray(g), state, params)
+        out_b, restored = tx.update(jnp.asarray(g), restored, params)
+        np.testing.assert_array_equal(out_a, out_b)
+    assert int(state.window_size) == int(restored.window_size) > 2
+
+
+def test_ternary_accumulate_takes_an_adaptive_window():
+    tx = ga.ternary_accumulate(optax.sgd(1.0), ga.adaptive_every_k(1, 2, 200))
+    state = tx.init({"w": jnp.zeros(512)})
+    # k_max 200 needs int16 code sums.
+    assert state.acc_grads.code_sums["w"].dtype == jnp.int16
+    assert int(state.window_size) == 2
+
+
+# --- cost ----------------------------------------------------------------------
+
+
+def test_tracking_adds_no_parameter_sized_temporary():
+    """Not at the emission either: the window's norm is read before the
+    update overwrites its buffers (`_noise_scale.close_window`). Gradients
+    come in as buffers, as from a backward pass; a gradient that XLA could
+    fuse into the add (an elementwise producer) is materialized, as XLA:CPU
+    has no multi-output fusion of a reduction with a loop."""
+    params = {"w": jnp.zeros((1 << 16,)), "b": jnp.zeros((1 << 10,))}
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+
+    def temp_bytes(tx):
+        def step(params, opt_state, grads):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        compiled = (
+            jax.jit(step, donate_argnums=(0, 1))
+            .lower(params, tx.init(params), params)
+            .compile()
+        )
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    off = temp_bytes(ga.accumulate(optax.adam(1e-3), 4))
+    on = temp_bytes(ga.accumulate(optax.adam(1e-3), 4, track_noise_scale=True))
+    assert on - off < 0.05 * param_bytes, (on, off, param_bytes)
