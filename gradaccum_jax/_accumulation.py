@@ -283,6 +283,7 @@ class MultiSteps:
             last window's).
         """
         self._adaptive = None
+        self._every_k_schedule: Callable[[Any], Any]
         if isinstance(every_k_schedule, _noise_scale.AdaptiveWindow):
             self._adaptive = every_k_schedule
             track_noise_scale = True
@@ -291,7 +292,7 @@ class MultiSteps:
             every_k_schedule, bool
         ):
             every_k = _checks.window_size("every_k_schedule", every_k_schedule)
-            self._every_k_schedule: Callable[[Any], Any] = lambda step: every_k
+            self._every_k_schedule = lambda step: every_k
         elif callable(every_k_schedule):
             self._every_k_schedule = every_k_schedule
         else:

@@ -88,7 +88,7 @@ def decay_rate(name: str, value: Any) -> float:
             f"`{name}` must be a number in [0, 1), got {value!r} "
             f"of type {type(value).__name__}."
         )
-    if not 0 <= value < 1:
+    if not 0 <= float(value) < 1:
         raise ValueError(f"`{name}` must be a number in [0, 1), got {value}.")
     return float(value)
 

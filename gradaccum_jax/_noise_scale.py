@@ -46,7 +46,7 @@ class NoiseScaleState(NamedTuple):
 
     Attributes:
       sq_norm_sum: ``A = sum_i w_i |g_i|^2`` over the current window, float32.
-      count: ``k``, micro-batches of nonzero weight in the current window,
+      micro_batches: ``k``, micro-batches of nonzero weight in the current window,
         float32 (a count summed over devices like ``A``).
       grad_sq_norm: moving average of the windows' ``|G|^2`` estimates
         (not yet bias-corrected).
@@ -57,7 +57,7 @@ class NoiseScaleState(NamedTuple):
     """
 
     sq_norm_sum: jax.Array
-    count: jax.Array
+    micro_batches: jax.Array
     grad_sq_norm: jax.Array
     noise_trace: jax.Array
     decay_power: jax.Array
@@ -83,10 +83,19 @@ class NoiseScaleEstimate(NamedTuple):
 
 def init() -> NoiseScaleState:
     """The state before any micro-batch: an empty window, no estimate."""
+
     # Distinct arrays, not one shared zero: a donated state must not hold
     # the same buffer twice.
-    zeros = [jnp.zeros([], jnp.float32) for _ in range(4)]
-    return NoiseScaleState(*zeros, jnp.ones([], jnp.float32))
+    def zero():
+        return jnp.zeros([], jnp.float32)
+
+    return NoiseScaleState(
+        sq_norm_sum=zero(),
+        micro_batches=zero(),
+        grad_sq_norm=zero(),
+        noise_trace=zero(),
+        decay_power=jnp.ones([], jnp.float32),
+    )
 
 
 def sq_norm(tree: Any) -> jax.Array:
@@ -108,7 +117,7 @@ def add(state: NoiseScaleState, grads: Any, weight: jax.Array) -> NoiseScaleStat
     term = jnp.where(has_weight, weight * sq_norm(grads), 0.0)
     return state._replace(
         sq_norm_sum=state.sq_norm_sum + term,
-        count=state.count + has_weight.astype(jnp.float32),
+        micro_batches=state.micro_batches + has_weight.astype(jnp.float32),
     )
 
 
@@ -118,7 +127,7 @@ def empty_window(state: NoiseScaleState | Any) -> NoiseScaleState | Any:
         return state
     return state._replace(
         sq_norm_sum=jnp.zeros_like(state.sq_norm_sum),
-        count=jnp.zeros_like(state.count),
+        micro_batches=jnp.zeros_like(state.micro_batches),
     )
 
 
@@ -169,7 +178,7 @@ def close_window(
     ordered_weight = weight * jnp.where(window_sq_norm < 0, 0.5, 1.0)
     safe_weight = jnp.where(weight != 0, weight, 1.0)
     grad_sq_norm, trace, defined = window_estimate(
-        state.sq_norm_sum, state.count, weight, window_sq_norm / safe_weight**2
+        state.sq_norm_sum, state.micro_batches, weight, window_sq_norm / safe_weight**2
     )
 
     def average(old, new):
@@ -178,7 +187,7 @@ def close_window(
     zero = jnp.zeros_like(state.sq_norm_sum)
     new_state = NoiseScaleState(
         sq_norm_sum=zero,
-        count=jnp.zeros_like(state.count),
+        micro_batches=jnp.zeros_like(state.micro_batches),
         grad_sq_norm=average(state.grad_sq_norm, grad_sq_norm),
         noise_trace=average(state.noise_trace, trace),
         decay_power=jnp.where(defined, decay * state.decay_power, state.decay_power),
@@ -228,11 +237,11 @@ class AdaptiveWindow:
                 "`micro_batch_size` must be a positive finite number (the "
                 f"weight of one micro-batch), got {micro_batch_size!r}."
             )
-        self.micro_batch_size = _checks.positive_finite(
+        self.micro_batch_size: float = _checks.positive_finite(
             "micro_batch_size", micro_batch_size
         )
-        self.k_min = _checks.window_size("k_min", k_min)
-        self.k_max = _checks.window_size("k_max", k_max)
+        self.k_min: int = _checks.window_size("k_min", k_min)
+        self.k_max: int = _checks.window_size("k_max", k_max)
         if self.k_max < self.k_min:
             raise ValueError(
                 f"`k_max` must be an integer >= k_min ({self.k_min}), got {k_max}."

@@ -99,7 +99,10 @@ def test_nan_where_undefined_never_a_division_by_zero():
     opt = ga.MultiSteps(optax.sgd(0.0), 3, track_noise_scale=True)
     state = _window(opt, [[1.0], [np.nan], [2.0]], [0.0, 0.0, 4.0])
     assert int(state.gradient_step) == 1
-    assert (float(state.noise.sq_norm_sum), float(state.noise.count)) == (0.0, 0.0)
+    assert (float(state.noise.sq_norm_sum), float(state.noise.micro_batches)) == (
+        0.0,
+        0.0,
+    )
     assert all(bool(jnp.isnan(v)) for v in opt.stats(state)[5:])
 
 
@@ -122,7 +125,10 @@ def test_reset_drops_the_partial_windows_terms_and_keeps_the_estimate():
     assert float(state.noise.sq_norm_sum) == 10000.0
     before = opt.stats(state)
     state = opt.reset(state)
-    assert (float(state.noise.sq_norm_sum), float(state.noise.count)) == (0.0, 0.0)
+    assert (float(state.noise.sq_norm_sum), float(state.noise.micro_batches)) == (
+        0.0,
+        0.0,
+    )
     assert float(opt.stats(state).noise_trace) == float(before.noise_trace)
 
 

@@ -246,7 +246,10 @@ def microbatched_value_and_grad(
             )
             value, grads = weighted_means(*sums)
             estimate = _noise_scale.batch_estimate(
-                noise.sq_norm_sum, noise.count, sums[2].astype(jnp.float32), grads
+                noise.sq_norm_sum,
+                noise.micro_batches,
+                sums[2].astype(jnp.float32),
+                grads,
             )
             return value, grads, estimate
         if data_axis is None:
