@@ -15,7 +15,7 @@ import pytest
 
 import gradaccum_jax
 from gradaccum_jax import MultiSteps, accumulate
-from helpers import EAGER_AND_JIT
+from helpers import EAGER_AND_JIT, train_step_temp_bytes
 
 
 def scalar_grads(*values):
@@ -390,19 +390,12 @@ def test_donated_train_step_needs_no_parameter_sized_temporaries(wrap_grads):
     params = {"w": jnp.zeros((1 << 16,)), "b": jnp.zeros((1 << 10,))}
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
 
-    def temp_bytes(tx):
-        def step(params, opt_state, grads):
-            if wrap_grads != "argument":
-                grads = jax.tree.map(lambda p, g: p * g, params, grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+    def make_grads(params, grads):
+        return jax.tree.map(lambda p, g: p * g, params, grads)
 
-        compiled = (
-            jax.jit(step, donate_argnums=(0, 1))
-            .lower(params, tx.init(params), params)
-            .compile()
-        )
-        return compiled.memory_analysis().temp_size_in_bytes
+    def temp_bytes(tx):
+        in_step = None if wrap_grads == "argument" else make_grads
+        return train_step_temp_bytes(tx, params, in_step)
 
     ours = temp_bytes(MultiSteps(optax.adam(1e-3), 4).gradient_transformation())
     theirs = temp_bytes(optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation())

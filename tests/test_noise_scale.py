@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
+from helpers import train_step_temp_bytes
 
 # --- exact algebra -------------------------------------------------------------
 
@@ -410,18 +411,8 @@ def test_tracking_adds_no_parameter_sized_temporary():
     params = {"w": jnp.zeros((1 << 16,)), "b": jnp.zeros((1 << 10,))}
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
 
-    def temp_bytes(tx):
-        def step(params, opt_state, grads):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        compiled = (
-            jax.jit(step, donate_argnums=(0, 1))
-            .lower(params, tx.init(params), params)
-            .compile()
-        )
-        return compiled.memory_analysis().temp_size_in_bytes
-
-    off = temp_bytes(ga.accumulate(optax.adam(1e-3), 4))
-    on = temp_bytes(ga.accumulate(optax.adam(1e-3), 4, track_noise_scale=True))
+    off = train_step_temp_bytes(ga.accumulate(optax.adam(1e-3), 4), params)
+    on = train_step_temp_bytes(
+        ga.accumulate(optax.adam(1e-3), 4, track_noise_scale=True), params
+    )
     assert on - off < 0.05 * param_bytes, (on, off, param_bytes)
