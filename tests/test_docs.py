@@ -81,6 +81,7 @@ def test_every_page_is_built(html):
         "guides/data_parallel",
         "guides/microbatching",
         "guides/ternary",
+        "guides/noise_scale",
     ):
         assert (html / f"{page}.html").is_file(), page
     assert "Unreleased" in (html / "changelog.html").read_text()
