@@ -37,7 +37,11 @@ import optax
 from gradaccum_jax import _checks, _noise_scale, _partials, _tree, _weights
 from gradaccum_jax._control import run_if
 from gradaccum_jax._tree import any_mapped_axis_bound, varying_axes
-from gradaccum_jax._window import WindowAccumulator, float_accumulator
+from gradaccum_jax._window import (
+    WindowAccumulator,
+    float_accumulator,
+    per_device_accumulator,
+)
 
 # The skip functions are optax's own: same signatures, same skip_state.
 ShouldSkipUpdateFunction: TypeAlias = optax.ShouldSkipUpdateFunction
@@ -258,14 +262,18 @@ class MultiSteps:
             skip different micro-batches would otherwise emit at different
             calls and wait for each other in the reduction forever.
           window_accumulator: how the window sum is stored; overrides
-            ``accumulator_dtype`` (see `WindowAccumulator`).
+            ``accumulator_dtype`` (see `WindowAccumulator`). With
+            ``unreduced_axes`` (one mesh axis) each device runs it on its
+            own window (`per_device_accumulator`: stacked on a leading
+            device axis, no collective per micro-step), and the emitting
+            call reduces the decoded per-device sums and the weight in one
+            fused all-reduce (`ternary_accumulate(..., unreduced_axes=)`).
           unreduced_axes: mesh axes (of an Explicit mesh) over which the
             gradients arrive unreduced, e.g. ``("data",)`` for gradients from
             `local_value_and_grad`: the window and its weight are kept
             unreduced across calls and reduced once per window, in one fused
             all-reduce at the emitting call (see "Data parallelism under
-            jax.jit" in the class docstring). Not with a
-            ``window_accumulator`` or a skip function.
+            jax.jit" in the class docstring). Not with a skip function.
           window_reduction: how the window's per-device terms are summed
             at the emitting call, with ``unreduced_axes`` only: None for one
             exact float32 all-reduce, or e.g.
@@ -327,6 +335,9 @@ class MultiSteps:
                 "device's gradients inside the shard_map instead and give a "
                 "non-finite micro-batch weight 0 there."
             )
+        # A window accumulator with per-device gradient terms: each device
+        # keeps its own window, decoded and reduced once, at the emission.
+        self._per_device = window_accumulator is not None and bool(self._unreduced_axes)
         if window_accumulator is None:
             window_accumulator = float_accumulator(
                 accumulator_dtype, self._unreduced_axes
@@ -336,13 +347,15 @@ class MultiSteps:
                 "`window_accumulator` must be None or a WindowAccumulator, "
                 f"got {window_accumulator!r}."
             )
-        elif self._unreduced_axes:
-            raise ValueError(
-                "`unreduced_axes` needs the default float accumulator: pass "
-                "`window_accumulator=None` (got "
-                f"{window_accumulator!r}), or float_accumulator(dtype, "
-                "unreduced_axes) as the window_accumulator without "
-                "`unreduced_axes`."
+        if self._per_device:
+            if len(self._unreduced_axes) != 1:
+                raise ValueError(
+                    "`unreduced_axes` with a `window_accumulator` takes one mesh "
+                    "axis (each device's window is stacked on a leading axis "
+                    f"sharded over it), got {sorted(self._unreduced_axes)}."
+                )
+            window_accumulator = per_device_accumulator(
+                window_accumulator, self._unreduced_axes
             )
         self._accumulator = window_accumulator
         self._reduction = _window_reduction(window_reduction, self._unreduced_axes)
@@ -485,7 +498,12 @@ class MultiSteps:
         """
         _check_state(state, "flush")
         state = self._unreduce_window(state)
-        grads_like = self._accumulator.total(state.acc_grads)
+        if self._per_device:  # only the dtypes are read: the zeros are dead
+            grads_like = optax.tree.zeros_like(
+                jax.eval_shape(self._accumulator.total, state.acc_grads)
+            )
+        else:
+            grads_like = self._accumulator.total(state.acc_grads)
         if params is not None:
             grads_like = optax.tree.cast_like(grads_like, params)
         return self._emit_if(state.mini_step > 0, state, grads_like, params, extra_args)
@@ -562,6 +580,8 @@ class MultiSteps:
         """
         if not self._holds_terms(state.acc_weight):
             return state
+        if self._per_device:  # the windows are plain arrays already
+            return state._replace(acc_weight=self._window_total(state.acc_weight))
         acc_grads, acc_weight = _partials.reduce(
             (state.acc_grads, state.acc_weight), self._unreduced_axes
         )
@@ -608,7 +628,9 @@ class MultiSteps:
             return state
         lift = functools.partial(_partials.lift, axes=self._unreduced_axes)
         return state._replace(
-            acc_grads=jax.tree.map(lift, state.acc_grads),
+            acc_grads=state.acc_grads
+            if self._per_device
+            else jax.tree.map(lift, state.acc_grads),
             acc_weight=lift(state.acc_weight),
         )
 
@@ -625,7 +647,8 @@ class MultiSteps:
         """
 
         def inner_update(acc, acc_weight, inner_state, pass_weight=True):
-            grads = self._window_gradient(acc, acc_weight, grads_like)
+            total = acc if self._per_device else self._accumulator.total(acc)
+            grads = self._window_gradient(total, acc_weight, grads_like)
             weight_arg = {"weight": acc_weight} if pass_weight else {}
             new_updates, new_inner_state = self._opt.update(
                 grads, inner_state, params, **weight_arg, **extra_args
@@ -642,7 +665,10 @@ class MultiSteps:
         # The inner optimizer sees the reduced window (per-device terms
         # summed), so its shapes are taken on that.
         reduced_window, reduced_weight = jax.eval_shape(
-            lambda acc, weight: _partials.reduce((acc, weight), self._unreduced_axes),
+            lambda acc, weight: _partials.reduce(
+                (self._accumulator.total(acc) if self._per_device else acc, weight),
+                self._unreduced_axes,
+            ),
             state.acc_grads,
             state.acc_weight,
         )
@@ -667,8 +693,15 @@ class MultiSteps:
             # the reduction of its per-device sums and its weight (by default
             # one fused float all-reduce). Its leaves never hold updates
             # (`_same_layout`), so the reduced copy aliases no update slot.
+            # A per-device window is decoded on each device first; from
+            # there on its reduced sums stand for the window.
+            terms = (
+                self._accumulator.total(slots.window(updates, rest))
+                if self._per_device
+                else rest
+            )
             (rest, acc_weight), reduction_state = self._reduction.reduce(
-                (rest, window_weight), self._unreduced_axes, reduction_state
+                (terms, window_weight), self._unreduced_axes, reduction_state
             )
             if self._track_noise:  # the same acc_weight, ordered after the norm
                 noise, acc_weight = _noise_scale.close_window(
@@ -688,7 +721,7 @@ class MultiSteps:
             # the differentiation rule of `run_if` as a tracer.
             def step_inner(inner_carry):
                 updates, rest, acc_weight, inner_state = inner_carry
-                acc = slots.window(updates, rest)
+                acc = rest if self._per_device else slots.window(updates, rest)
                 new_updates, inner_state = inner_update(acc, acc_weight, inner_state)
                 return jax.tree.leaves(new_updates), rest, acc_weight, inner_state
 
@@ -759,9 +792,8 @@ class MultiSteps:
             return state.window_size
         return jnp.maximum(self._every_k_schedule(state.gradient_step), 1)
 
-    def _window_gradient(self, acc, acc_weight, grads_like):
+    def _window_gradient(self, total, acc_weight, grads_like):
         """The window's weighted mean (or sum), in the gradients' dtypes."""
-        total = self._accumulator.total(acc)
         if self._use_grad_mean:
             # A window of zero total weight emits zeros rather than 0/0.
             has_weight = acc_weight > 0

@@ -180,3 +180,48 @@ def over_terms(
         )(terms, state)
 
     return mapped
+
+
+def over_devices(
+    fn: Callable[..., Any], axes: frozenset[str], in_kinds: str, out_kind: str
+) -> Callable[..., Any]:
+    """``fn`` run on each device of ``axes`` on its own values, no collective.
+
+    ``in_kinds`` has one letter per argument, ``out_kind`` one for the
+    result: ``s`` a tree stacked on a leading device axis sharded over the
+    axis (a per-device state: a plain array, checkpointable), ``t``
+    per-device terms (unreduced or stacked, as `zeros` makes them), ``r``
+    a value replicated on every device (inputs only). ``fn`` sees each
+    device's own slice (its term, its state) as a value shaped like one
+    device's.
+    """
+    (axis,) = axes
+    stacked = is_stacked(axes)
+    spec = {"s": P(axis), "t": P(axis) if stacked else P(unreduced={axis}), "r": P()}
+    unstack = {"s": True, "t": stacked, "r": False}
+
+    def local(*args):
+        out = fn(
+            *(
+                jax.tree.map(lambda leaf: leaf[0], arg) if unstack[kind] else arg
+                for arg, kind in zip(args, in_kinds, strict=True)
+            )
+        )
+        if unstack[out_kind]:
+            out = jax.tree.map(lambda leaf: leaf[None], out)
+        return out
+
+    # Unreduced terms need check_vma=False (see `over_terms`); each device's
+    # result is its own, as the out spec says.
+    return jax.shard_map(
+        local,
+        in_specs=tuple(spec[kind] for kind in in_kinds),
+        out_specs=spec[out_kind],
+        check_vma=stacked,
+    )
+
+
+def stack(tree: Any, axes: frozenset[str]) -> Any:
+    """``tree`` (one per device, stacked on a leading axis) sharded over ``axes``."""
+    (axis,) = axes
+    return jax.tree.map(lambda leaf: _stacked_constraint(leaf, axis), tree)

@@ -33,6 +33,10 @@ class WindowAccumulator(NamedTuple):
         ``sum_i w_i g_i`` as floating arrays shaped like the params.
       reset: ``reset(acc) -> acc``, the empty window again (an accumulator
         may carry things across windows, such as a PRNG key).
+      for_device: optional ``for_device(acc, device) -> acc``, the empty
+        window of device ``device`` (an int32 index) when each device keeps
+        its own window (`per_device_accumulator`), e.g. with a random
+        stream of its own; None: every device starts from ``init``'s.
 
     All four are pure functions of their arguments. The engine resets
     lazily: the first ``add`` of a window is given ``reset(acc)``, never a
@@ -43,6 +47,104 @@ class WindowAccumulator(NamedTuple):
     add: Callable[[Any, Any, jax.Array], Any]
     total: Callable[[Any], Any]
     reset: Callable[[Any], Any]
+    for_device: Callable[[Any, jax.Array], Any] | None = None
+
+
+class PerDeviceWindow(NamedTuple):
+    """The windows of `per_device_accumulator`, one per device.
+
+    Attributes:
+      local: the inner accumulator's state, each leaf stacked on a leading
+        axis of size ``n_devices`` sharded over the mesh axis: plain
+        arrays, valid jit inputs and outputs, checkpointable as they are.
+    """
+
+    local: Any
+
+    @property
+    def local_devices(self) -> Any:
+        """One leaf of ``local``: its leading axis counts the devices."""
+        return jax.tree.leaves(self.local)[0]
+
+
+def per_device_accumulator(
+    accumulator: WindowAccumulator, axes: frozenset[str]
+) -> WindowAccumulator:
+    """``accumulator`` run by each device on its own window, over mesh ``axes``.
+
+    For gradients that arrive as per-device terms (`local_value_and_grad`):
+    every device adds its own term to its own window (``add`` runs in a
+    ``jax.shard_map``, no collective), and ``total`` decodes each device's
+    window into its float term of the window's sum, which the engine then
+    reduces once, with the window weight, in one fused all-reduce. As in
+    `float_accumulator`, a per-device weight means each device's gradients
+    are already weighted: the device adds them with weight 1 (0 if its own
+    weight is 0, so that its NaNs are dropped).
+
+    Args:
+      accumulator: the per-device window (e.g. ternary code sums).
+      axes: one mesh axis.
+
+    Returns:
+      A `WindowAccumulator` whose state is a `PerDeviceWindow`.
+    """
+
+    def init(params):
+        local = accumulator.init(params)
+        (axis,) = axes
+        devices = jnp.arange(jax.sharding.get_abstract_mesh().shape[axis])
+        if accumulator.for_device is None:
+            windows = jax.tree.map(
+                lambda leaf: jnp.broadcast_to(leaf, (len(devices), *jnp.shape(leaf))),
+                local,
+            )
+        else:
+            windows = jax.vmap(accumulator.for_device, in_axes=(None, 0))(
+                local, devices
+            )
+        return PerDeviceWindow(_partials.stack(windows, axes))
+
+    def add(acc, grads, weight):
+        stacked = _partials.is_stacked(axes)
+        weighted = bool(_tree.unreduced_axes(weight)) or (
+            stacked and jnp.ndim(weight) == 1
+        )
+
+        def check(path, grad):
+            if not stacked:
+                _check_unreduced(path, frozenset(axes), grad, weighted)
+            elif jnp.shape(grad)[:1] != jnp.shape(acc.local_devices)[:1]:
+                raise ValueError(
+                    f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
+                    f"{jnp.shape(grad)}; on an Auto mesh each device's window "
+                    "takes its own term, stacked on a leading axis of size "
+                    f"{jnp.shape(acc.local_devices)[0]}: pass the stacked "
+                    "per-device gradients of local_value_and_grad."
+                )
+
+        jax.tree_util.tree_map_with_path(check, grads)
+
+        def local_add(window, grads, weight):
+            if weighted:  # w_d g_d already: add once, or not at all
+                weight = (weight != 0).astype(jnp.float32)
+            return accumulator.add(window, grads, weight)
+
+        kinds = "stt" if weighted else "str"
+        return PerDeviceWindow(
+            _partials.over_devices(local_add, axes, kinds, "s")(
+                acc.local, grads, weight
+            )
+        )
+
+    def total(acc):
+        return _partials.over_devices(accumulator.total, axes, "s", "t")(acc.local)
+
+    def reset(acc):
+        return PerDeviceWindow(
+            _partials.over_devices(accumulator.reset, axes, "s", "s")(acc.local)
+        )
+
+    return WindowAccumulator(init, add, total, reset)
 
 
 def float_accumulator(
@@ -206,8 +308,12 @@ def _check_stacked(path: Any, acc: Any, grad: Any) -> None:
 
 
 def _check_unreduced(path: Any, acc: Any, grad: Any, weighted: bool) -> None:
-    """Raises if a gradient leaf is not unreduced over the window's axes."""
-    acc_axes, grad_axes = _tree.unreduced_axes(acc), _tree.unreduced_axes(grad)
+    """Raises if a gradient leaf is not unreduced over the window's axes.
+
+    ``acc`` is the window's leaf, or the window's axes themselves.
+    """
+    acc_axes = acc if isinstance(acc, frozenset) else _tree.unreduced_axes(acc)
+    grad_axes = _tree.unreduced_axes(grad)
     if grad_axes != acc_axes:
         raise ValueError(
             f"Gradient leaf {jax.tree_util.keystr(path)} is unreduced over mesh "

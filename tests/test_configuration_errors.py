@@ -162,11 +162,13 @@ TABLE: list[Row] = [
     Row("local_value_and_grad", "axis_name", ("", None, 3, ("data",)), AXIS_NAME),
     # Mesh axes over which gradients arrive unreduced.
     *_rows_for(
-        ("MultiSteps", "accumulate", "float_accumulator"),
+        ("MultiSteps", "accumulate", "float_accumulator", "ternary_accumulate"),
         "unreduced_axes",
         ("", None, 3, ("data", "data"), ("data", ""), ("data", 1)),
         MESH_AXES,
     ),
+    # Each device's ternary window is stacked on one mesh axis.
+    Row("ternary_accumulate", "unreduced_axes", (("data", "model"),), r"one mesh axis"),
     # The wrapped optimizer: a transformation, not its factory.
     *_rows_for(ACCUMULATORS, "opt", (None, optax.adam, "adam"), TRANSFORMATION),
     Row("MultiSteps", "window_accumulator", ("float32", (1, 2)), ACCUMULATOR),

@@ -492,3 +492,159 @@ def test_ternary_window_state_checkpoints_and_draws_the_same_bits(mesh):
     for name in expected:
         np.testing.assert_array_equal(updates[name], expected[name], err_msg=name)
     np.testing.assert_array_equal(restored.reduction_state, [5, 2])
+
+
+# --- a ternary window per device: ternary_accumulate(unreduced_axes=) ------
+
+
+def _per_device_ternary(seed=0, clip_sigma=None, min_size=TERNARY_MIN_SIZE):
+    return ga.ternary_accumulate(
+        optax.sgd(1.0),
+        K,
+        seed=seed,
+        clip_sigma=clip_sigma,
+        min_size=min_size,
+        unreduced_axes="data",
+    )
+
+
+def test_per_device_ternary_windows_reduce_once_inside_the_emission_loop(any_mesh):
+    opt = _per_device_ternary()
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    args = _place(_micro_batches([16], masked=True)[0])
+    ops = all_reduces(
+        jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
+    )
+    # No collective on a micro-step; at the emission the decoded float32
+    # sums of the three leaves and the weight, in one fused all-reduce.
+    assert [(op.place, op.operands, op.nbytes) for op in ops] == [
+        ("while-body", 3 + 1, PARAM_BYTES + 4)
+    ]
+
+
+def test_per_device_ternary_state_is_int8_codes_stacked_per_device(any_mesh):
+    opt = _per_device_ternary()
+    params = jax.device_put(_params(), P())
+    step = jax.jit(_weighted_step(opt))
+    state = jax.jit(opt.init)(params)
+    batch = _micro_batches([16], masked=True)[0]
+    _, state = step(params, state, *_place(batch))
+    window = state.acc_grads.local
+    assert isinstance(window, ga.TernaryAccumulatorState)
+    for name, shape in (("w1", (16, 32)), ("w2", (32, 4))):
+        codes = window.code_sums[name]
+        assert (codes.dtype, codes.shape) == (jnp.int8, (N_DEVICES, *shape))
+        assert codes.sharding.spec[0] == "data"
+        assert codes.addressable_shards[0].data.shape == (1, *shape)
+        assert window.scales[name].shape == (N_DEVICES,)
+    # The bias (4 < min_size) accumulates exactly, in float32, per device.
+    assert window.code_sums["b"].dtype == jnp.float32
+    # Each device draws its own bits: its own seed word, and a counter of
+    # the micro-steps it added (a device without valid examples adds none).
+    keys = np.asarray(window.key)
+    assert len(set(keys[:, 0].tolist())) == N_DEVICES
+    has_examples = batch[2].reshape(N_DEVICES, -1).sum(1) > 0
+    assert not has_examples.all()
+    np.testing.assert_array_equal(keys[:, 1], has_examples)
+    # 1 byte per compressed parameter per device, plain arrays: fetchable.
+    codes_bytes = ga.state_nbytes(window.code_sums) - 4 * 4 * N_DEVICES
+    assert codes_bytes == (16 * 32 + 32 * 4) * N_DEVICES
+    jax.device_get(state.acc_grads)
+
+
+def test_per_device_ternary_update_is_identical_on_every_device(any_mesh):
+    opt = _per_device_ternary(seed=3, clip_sigma=2.5)
+    params = jax.device_put(_params(), P())
+    step = jax.jit(_weighted_step(opt))
+    batches = _micro_batches([16, 32, 8], masked=True)
+    updates, state = _ternary_window(step, jax.jit(opt.init)(params), batches)
+    assert bool(opt.has_updated(state))
+    for name, leaf in updates.items():
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == N_DEVICES
+        assert all(s.shape == leaf.shape for s in shards), name
+        for shard in shards[1:]:
+            np.testing.assert_array_equal(shard, shards[0], err_msg=name)
+    exact = _big_batch_grad(params, batches)
+    np.testing.assert_allclose(-np.asarray(updates["b"]), exact["b"], atol=1e-6)
+    assert not np.allclose(-np.asarray(updates["w1"]), exact["w1"], atol=1e-3)
+
+
+def test_per_device_ternary_window_is_unbiased_over_seeds(any_mesh):
+    """Without clipping the emitted gradient's mean over 32 seeds is the
+    exact big-batch gradient, within 6 standard errors per element."""
+    params = jax.device_put(_params(), P())
+    batches = _micro_batches([16, 32, 8], masked=True)
+    exact = _big_batch_grad(params, batches)
+    opt = _per_device_ternary(clip_sigma=None)
+    step = jax.jit(_weighted_step(opt))
+    state0 = jax.jit(opt.init)(params)
+    seeds = 32
+    samples = {name: [] for name in exact}
+    for seed in range(seeds):
+        # One program for every seed: the seed is in the per-device keys.
+        seeded = jax.jit(_per_device_ternary(seed=seed, clip_sigma=None).init)(params)
+        state = state0._replace(acc_grads=seeded.acc_grads)
+        for batch in batches:
+            updates, state = step(params, state, *_place(batch))
+        for name in exact:
+            samples[name].append(-np.asarray(updates[name]))
+    single_seed_error = np.abs(samples["w1"][0] - exact["w1"]).max()
+    for name, draws in samples.items():
+        draws = np.stack(draws)
+        standard_error = draws.std(axis=0, ddof=1) / np.sqrt(seeds)
+        error = np.abs(draws.mean(axis=0) - exact[name])
+        assert (error <= 6 * standard_error + 1e-5).all(), name
+    mean_error = np.abs(np.mean(samples["w1"], axis=0) - exact["w1"]).max()
+    assert mean_error < single_seed_error / 3
+
+
+def test_per_device_windows_flush_reset_and_stats(any_mesh):
+    """With every leaf below ``min_size`` each device's window is an exact
+    float32 sum: the plumbing (per-device add, decode, one reduction) must
+    then give the big-batch gradient exactly."""
+    opt = _per_device_ternary(min_size=10**6)
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    _, state = step(params, state, *_place(_micro_batches([16], True, seed=9)[0]))
+    state = jax.jit(opt.reset)(state)
+    assert int(jax.jit(opt.stats)(state).window_fill) == 0
+    batches = _micro_batches([16, 24], masked=True)
+    for batch in batches:
+        _, state = step(params, state, *_place(batch))
+    assert not bool(opt.has_updated(state))
+    stats = jax.jit(opt.stats)(state)
+    assert int(stats.window_fill) == 2
+    assert float(stats.window_weight) == sum(float(b[2].sum()) for b in batches)
+    updates, state = jax.jit(opt.flush)(state, params)
+    assert bool(opt.has_updated(state))
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+    assert float(jax.jit(opt.stats)(state).window_weight) == 0.0
+    batches = _micro_batches([16, 32, 8], masked=True, seed=2)
+    for batch in batches:
+        updates, state = step(params, state, *_place(batch))
+    assert bool(opt.has_updated(state))
+    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+
+
+def test_per_device_ternary_state_checkpoints_and_draws_the_same_bits(any_mesh):
+    """The windows are plain arrays; only the weight needs `reduce_window`.
+    Restored mid-window with the same shardings, the run goes on bitwise."""
+    opt = _per_device_ternary(seed=5, clip_sigma=2.5)
+    params = jax.device_put(_params(), P())
+    step = jax.jit(_weighted_step(opt))
+    batches = _micro_batches([16, 32, 8], masked=True)
+    _, state = step(params, jax.jit(opt.init)(params), *_place(batches[0]))
+    reduced = jax.jit(opt.reduce_window)(state)
+    saved = jax.device_get(reduced)
+    assert saved.acc_weight == batches[0][2].sum()
+    assert saved.acc_grads.local.code_sums["w1"].dtype == np.int8
+    restored = jax.device_put(saved, jax.tree.map(lambda a: a.sharding, reduced))
+    for batch in batches[1:]:
+        expected, state = step(params, state, *_place(batch))
+        updates, restored = step(params, restored, *_place(batch))
+    assert bool(opt.has_updated(restored))
+    for name in expected:
+        np.testing.assert_array_equal(updates[name], expected[name], err_msg=name)

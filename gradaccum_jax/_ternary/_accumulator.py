@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -194,7 +194,14 @@ def _ternary_window_accumulator(
             jax.tree.map(jnp.zeros_like, acc.scales),
         )
 
-    return WindowAccumulator(init=init, add=add, total=total, reset=reset)
+    def for_device(acc, device):
+        # Each device's window draws its own bits: devices that shared one
+        # stream would round their terms alike, adding up their errors.
+        return acc._replace(key=_random.for_device(acc.key, device))
+
+    return WindowAccumulator(
+        init=init, add=add, total=total, reset=reset, for_device=for_device
+    )
 
 
 def ternary_accumulate(
@@ -211,6 +218,7 @@ def ternary_accumulate(
     count_skipped: bool = False,
     track_noise_scale: bool = False,
     noise_scale_decay: float = 0.95,
+    unreduced_axes: str | Sequence[str] = (),
 ) -> AccumulationTransformation:
     """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
 
@@ -254,6 +262,18 @@ def ternary_accumulate(
         the decoded codes, whose variance enters it: ``tr(S)`` comes out low
         by about the codes' variance times the window weight.
       noise_scale_decay: as in `MultiSteps`.
+      unreduced_axes: one mesh axis over which the gradients arrive as
+        per-device terms (`local_value_and_grad`, under plain ``jax.jit``
+        on a mesh). Each device then keeps its own ternary window (its own
+        code sums, scales and random stream), stacked on a leading axis of
+        size ``n_devices`` sharded over that axis: 1 byte per parameter per
+        device, a plain array that jit returns and checkpoints take as is.
+        A micro-step adds each device's term to its window with no
+        collective; the emitting call decodes each device's window and
+        reduces the decoded sums and the window weight in one fused
+        float32 all-reduce, so the emitted gradient is the exact weighted
+        mean over devices and micro-batches up to the (unbiased) ternary
+        rounding. Not with a skip function or ``track_noise_scale``.
 
     Returns:
       An `AccumulationTransformation` (``init``, ``update``, ``flush``,
@@ -284,6 +304,7 @@ def ternary_accumulate(
         skip_nonfinite=skip_nonfinite,
         count_skipped=count_skipped,
         window_accumulator=accumulator,
+        unreduced_axes=unreduced_axes,
         track_noise_scale=track_noise_scale,
         noise_scale_decay=noise_scale_decay,
     ).gradient_transformation()

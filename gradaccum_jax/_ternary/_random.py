@@ -64,6 +64,17 @@ def advance(state: jax.Array) -> jax.Array:
     return state + jnp.array([0, 1], jnp.uint32)
 
 
+def for_device(state: jax.Array, device: Any) -> jax.Array:
+    """A device's own counter state: its seed word hashed with ``device``.
+
+    The step word is kept, so devices advance together; two devices (or a
+    device and another seed) share a seed word with probability 2**-32.
+    """
+    state = jnp.asarray(state, jnp.uint32)
+    seed = mix(mix(state[0] ^ _STREAM_SALTS[1]) ^ jnp.asarray(device, jnp.uint32))
+    return jnp.stack([seed, state[1]])
+
+
 def stream(state: jax.Array, leaf: int, device: Any = 0) -> jax.Array:
     """The two key words ``uint32[2]`` of one (seed, step, leaf, device) stream."""
     state = jnp.asarray(state, jnp.uint32)
