@@ -556,6 +556,9 @@ class MultiSteps:
     def reduce_window(self, state: MultiStepsState) -> MultiStepsState:
         """Returns ``state`` with its window summed over ``unreduced_axes``.
 
+        The window's gradient sum and weight, and with ``track_noise_scale``
+        its per-device noise-scale sums ``A`` and ``k`` too.
+
         An unreduced array cannot leave the devices (``jax.device_get``,
         ``np.asarray`` and checkpointers raise NotImplementedError on it):
         save ``reduce_window(state)`` instead, which costs one fused
