@@ -285,7 +285,12 @@ class MultiSteps:
             see `stats`): one fused squared norm per micro-step, one per
             emission. Under pmap / shard_map with an averaging inner chain
             the window is the device's own, so the estimate is the
-            device-local one (batch sizes of one device).
+            device-local one (batch sizes of one device). With
+            ``unreduced_axes`` each device's gradient of each micro-batch
+            is a small batch of its own: every device keeps its own terms
+            of the sums (no collective on a micro-step), which join the
+            window's one reduction at the emission as two scalars; a
+            replicated ``weight`` counts as spread evenly over the devices.
           noise_scale_decay: decay in [0, 1) of the moving averages of the
             ``|G|^2`` and ``tr(S)`` estimates (bias-corrected; 0 keeps the
             last window's).
@@ -319,14 +324,6 @@ class MultiSteps:
         self._count_skipped = _checks.boolean("count_skipped", count_skipped)
         accumulator_dtype = _checks.float_dtype("accumulator_dtype", accumulator_dtype)
         self._unreduced_axes = _checks.axis_names("unreduced_axes", unreduced_axes)
-        if self._unreduced_axes and self._track_noise:
-            raise ValueError(
-                "`track_noise_scale` (or an adaptive_every_k schedule) cannot be "
-                "combined with `unreduced_axes` yet: the micro-batch norms of "
-                "unreduced gradients are per-device terms. Use "
-                "microbatched_value_and_grad(..., return_noise_scale=True) or "
-                "track the noise scale without `unreduced_axes`."
-            )
         if self._unreduced_axes and self._should_skip_update_fn is not None:
             raise ValueError(
                 "`unreduced_axes` cannot be combined with `should_skip_update_fn` "
@@ -383,7 +380,7 @@ class MultiSteps:
             micro_steps=jnp.zeros([], jnp.int32),
             emitted=jnp.zeros([], jnp.bool_),
             reduction_state=self._reduction.init(params),
-            noise=_noise_scale.init() if self._track_noise else (),
+            noise=_noise_scale.init(self._unreduced_axes) if self._track_noise else (),
             window_size=() if self._adaptive is None else self._adaptive.initial_size(),
         )
 
@@ -457,7 +454,14 @@ class MultiSteps:
             state.acc_grads,
         )
         acc = self._accumulator.add(acc, updates, weight)
-        if self._track_noise:  # fuses into the add's pass over the gradients
+        if self._track_noise and self._unreduced_axes:
+            # Each device adds its own terms of A and k: no collective.
+            state = state._replace(
+                noise=_noise_scale.add_terms(
+                    state.noise, updates, weight, self._unreduced_axes
+                )
+            )
+        elif self._track_noise:  # fuses into the add's pass over the gradients
             state = state._replace(noise=_noise_scale.add(state.noise, updates, weight))
         fills_window = accept if not self._count_skipped else jnp.asarray(True)
         mini_step = state.mini_step + fills_window.astype(jnp.int32)
@@ -570,6 +574,11 @@ class MultiSteps:
     def reduce_window(self, state: MultiStepsState) -> MultiStepsState:
         """Returns ``state`` with its window summed over ``unreduced_axes``.
 
+        The window's gradient sum and weight, and with ``track_noise_scale``
+        its per-device noise-scale sums ``A`` and ``k`` too. A per-device
+        ``window_accumulator``'s windows (stacked, sharded over the axis)
+        are plain arrays already and stay as they are.
+
         An unreduced array cannot leave the devices (``jax.device_get``,
         ``np.asarray`` and checkpointers raise NotImplementedError on it):
         save ``reduce_window(state)`` instead, which costs one fused
@@ -580,12 +589,22 @@ class MultiSteps:
         """
         if not self._holds_terms(state.acc_weight):
             return state
+        noise_terms = _noise_scale.window_terms(state.noise)
         if self._per_device:  # the windows are plain arrays already
-            return state._replace(acc_weight=self._window_total(state.acc_weight))
-        acc_grads, acc_weight = _partials.reduce(
-            (state.acc_grads, state.acc_weight), self._unreduced_axes
+            acc_grads = state.acc_grads
+            acc_weight, noise = _partials.reduce(
+                (state.acc_weight, noise_terms), self._unreduced_axes
+            )
+        else:
+            acc_grads, acc_weight, noise = _partials.reduce(
+                (state.acc_grads, state.acc_weight, noise_terms),
+                self._unreduced_axes,
+            )
+        return state._replace(
+            acc_grads=acc_grads,
+            acc_weight=acc_weight,
+            noise=_with_window_terms(state.noise, noise),
         )
-        return state._replace(acc_grads=acc_grads, acc_weight=acc_weight)
 
     def _terms_shapes(self, params: optax.Params) -> Any:
         """The shapes gradients arrive in: the params', or stacked."""
@@ -627,11 +646,13 @@ class MultiSteps:
         if not self._unreduced_axes or self._holds_terms(state.acc_weight):
             return state
         lift = functools.partial(_partials.lift, axes=self._unreduced_axes)
+        noise = jax.tree.map(lift, _noise_scale.window_terms(state.noise))
         return state._replace(
             acc_grads=state.acc_grads
             if self._per_device
             else jax.tree.map(lift, state.acc_grads),
             acc_weight=lift(state.acc_weight),
+            noise=_with_window_terms(state.noise, noise),
         )
 
     def _emit_if(self, emit, state, grads_like, params, extra_args, scratch=None):
@@ -690,25 +711,40 @@ class MultiSteps:
                 self._accumulator.reset(slots.window(updates, rest))
             )
             # The window's only cross-device traffic with `unreduced_axes`:
-            # the reduction of its per-device sums and its weight (by default
-            # one fused float all-reduce). Its leaves never hold updates
-            # (`_same_layout`), so the reduced copy aliases no update slot.
-            # A per-device window is decoded on each device first; from
-            # there on its reduced sums stand for the window.
+            # the reduction of its per-device sums, its weight and the noise
+            # scale's per-device A and k (by default one fused float
+            # all-reduce). Its leaves never hold updates (`_same_layout`), so
+            # the reduced copy aliases no update slot. A per-device window is
+            # decoded on each device first; from there on its reduced sums
+            # stand for the window.
             terms = (
                 self._accumulator.total(slots.window(updates, rest))
                 if self._per_device
                 else rest
             )
-            (rest, acc_weight), reduction_state = self._reduction.reduce(
-                (terms, window_weight), self._unreduced_axes, reduction_state
+            noise_terms = (
+                _noise_scale.window_terms(noise) if self._unreduced_axes else ()
+            )
+            (rest, acc_weight, noise_sums), reduction_state = self._reduction.reduce(
+                (terms, window_weight, noise_terms),
+                self._unreduced_axes,
+                reduction_state,
             )
             if self._track_noise:  # the same acc_weight, ordered after the norm
-                noise, acc_weight = _noise_scale.close_window(
-                    noise,
+                closed, acc_weight = _noise_scale.close_window(
+                    _with_window_terms(noise, noise_sums),
                     acc_weight,
-                    self._accumulator.total(slots.window(updates, rest)),
+                    rest
+                    if self._per_device
+                    else self._accumulator.total(slots.window(updates, rest)),
                     self._noise_decay,
+                )
+                # The next window's A and k: zero terms, in the carry's form.
+                noise = _with_window_terms(
+                    closed,
+                    _noise_scale.window_terms(_noise_scale.empty_window(noise))
+                    if noise_terms
+                    else (),
                 )
             # A window of zero weight (all padding, all skipped) closes
             # without stepping the inner optimizer: adam's momentum would
@@ -868,6 +904,14 @@ class _UpdateSlots:
     def updates_tree(self, updates: list[jax.Array]) -> Any:
         """The update leaves as a tree shaped like the inner optimizer's output."""
         return self._updates_def.unflatten(updates)
+
+
+def _with_window_terms(noise: Any, terms: tuple[jax.Array, ...]) -> Any:
+    """``noise`` with its window's ``(A, k)`` replaced; as is for ``()``."""
+    if not terms:
+        return noise
+    sq_norm_sum, micro_batches = terms
+    return noise._replace(sq_norm_sum=sq_norm_sum, micro_batches=micro_batches)
 
 
 def _with_weight_if_accepted(inner_update, *args):

@@ -28,6 +28,10 @@ the gradients) and, at each emission, folds the window's estimate into an
 exponential moving average of ``|G|^2`` and of ``tr(S)`` separately, with
 bias correction; ``B_simple`` is the ratio of the two averages, as the
 paper advises (a ratio of noisy estimates is biased, its average too).
+
+Under data parallelism with ``unreduced_axes`` each device's gradient of a
+micro-batch is a small batch of its own: every device keeps its own terms
+of ``A`` and ``k`` (`add_terms`), summed with the window at the emission.
 """
 
 from __future__ import annotations
@@ -37,15 +41,17 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _partials, _tree
 
 
 class NoiseScaleState(NamedTuple):
     """What the accumulator keeps for the noise scale (`MultiStepsState.noise`).
 
     Attributes:
-      sq_norm_sum: ``A = sum_i w_i |g_i|^2`` over the current window, float32.
+      sq_norm_sum: ``A = sum_i w_i |g_i|^2`` over the current window, float32
+        (per-device terms with ``unreduced_axes``, like the window).
       micro_batches: ``k``, micro-batches of nonzero weight in the current window,
         float32 (a count summed over devices like ``A``).
       grad_sq_norm: moving average of the windows' ``|G|^2`` estimates
@@ -81,17 +87,26 @@ class NoiseScaleEstimate(NamedTuple):
     noise_scale: jax.Array
 
 
-def init() -> NoiseScaleState:
-    """The state before any micro-batch: an empty window, no estimate."""
+def init(unreduced_axes: frozenset[str] = frozenset()) -> NoiseScaleState:
+    """The state before any micro-batch: an empty window, no estimate.
+
+    With ``unreduced_axes`` the window's ``A`` and ``k`` are kept as
+    per-device terms (see `add_terms`); the averages are replicated.
+    """
 
     # Distinct arrays, not one shared zero: a donated state must not hold
     # the same buffer twice.
     def zero():
         return jnp.zeros([], jnp.float32)
 
+    def window_zero():
+        if not unreduced_axes:
+            return zero()
+        return _partials.zeros(zero(), unreduced_axes)
+
     return NoiseScaleState(
-        sq_norm_sum=zero(),
-        micro_batches=zero(),
+        sq_norm_sum=window_zero(),
+        micro_batches=window_zero(),
         grad_sq_norm=zero(),
         noise_trace=zero(),
         decay_power=jnp.ones([], jnp.float32),
@@ -121,13 +136,66 @@ def add(state: NoiseScaleState, grads: Any, weight: jax.Array) -> NoiseScaleStat
     )
 
 
+def add_terms(
+    state: NoiseScaleState, grads: Any, weight: jax.Array, axes: frozenset[str]
+) -> NoiseScaleState:
+    """Adds each device's micro-batch to its own terms of ``A`` and ``k``.
+
+    Under data parallelism with ``unreduced_axes`` each device's gradient is
+    a small batch of its own (of the device's examples), so ``A`` sums
+    ``w_d |g_d|^2`` over devices and micro-batches and ``k`` counts the
+    (device, micro-batch) pairs of nonzero weight. Each device adds its own
+    terms, computed from its own gradient term: nothing crosses devices
+    until the window's reduction at the emission. ``grads`` are per-device
+    terms (`gradaccum_jax.local_value_and_grad`); ``weight`` is either
+
+    * per-device terms ``w_d``: the gradient terms are then ``w_d g_d``
+      (``has_weight=True``), so ``w_d |g_d|^2 = |w_d g_d|^2 / w_d``;
+    * one replicated ``w``, spread evenly over the ``n`` devices: the
+      terms are ``g_d / n`` (the unweighted `local_value_and_grad`), so
+      ``w_d = w / n`` and ``w_d |g_d|^2 = w n |g_d / n|^2``.
+
+    A device of zero weight adds nothing (a select: its term may be NaN).
+    """
+    weighted = _partials.is_terms(weight, jnp.zeros([]), axes)
+    mesh_shape = jax.sharding.get_abstract_mesh().shape
+    devices = float(np.prod([mesh_shape[name] for name in axes]))
+
+    def local(terms, replicated):
+        grads, device_weight = terms if weighted else (terms, replicated)
+        has_weight = device_weight != 0
+        sq = sq_norm(grads)
+        if weighted:
+            term = sq / jnp.where(has_weight, device_weight, 1.0)
+        else:
+            term = device_weight * devices * sq
+        return jnp.where(has_weight, term, 0.0), has_weight.astype(jnp.float32)
+
+    terms, replicated = ((grads, weight), ()) if weighted else (grads, weight)
+    sq_norm_terms, counts = _partials.map_terms(local, axes)(terms, replicated)
+    return state._replace(
+        sq_norm_sum=state.sq_norm_sum + sq_norm_terms,
+        micro_batches=state.micro_batches + counts,
+    )
+
+
+def window_terms(state: NoiseScaleState | Any) -> tuple[jax.Array, ...]:
+    """The window's ``(A, k)`` (to reduce with the window); ``()`` untracked."""
+    if not isinstance(state, NoiseScaleState):
+        return ()
+    return state.sq_norm_sum, state.micro_batches
+
+
 def empty_window(state: NoiseScaleState | Any) -> NoiseScaleState | Any:
-    """``state`` with ``A`` and ``k`` emptied (a dropped window); ``()`` kept."""
+    """``state`` with ``A`` and ``k`` emptied (a dropped window); ``()`` kept.
+
+    Per-device terms stay per-device terms (zero on every device).
+    """
     if not isinstance(state, NoiseScaleState):
         return state
     return state._replace(
-        sq_norm_sum=jnp.zeros_like(state.sq_norm_sum),
-        micro_batches=jnp.zeros_like(state.micro_batches),
+        sq_norm_sum=_tree.zeros_like(state.sq_norm_sum),
+        micro_batches=_tree.zeros_like(state.micro_batches),
     )
 
 

@@ -143,6 +143,39 @@ def float_window_reduction() -> WindowReduction:
     )
 
 
+def map_terms(
+    fn: Callable[[Any, Any], Any], axes: frozenset[str]
+) -> Callable[[Any, Any], Any]:
+    """``fn(local, replicated)`` on each device's own term, kept as terms.
+
+    Returns ``g(terms, replicated)``: each device applies ``fn`` to its own
+    term of ``terms`` (as a plain value) and to ``replicated`` (the same on
+    every device), and its results become
+    that device's terms of the output (unreduced, or stacked). A nonlinear
+    function of a term (a squared norm) is computed where the term lies:
+    no data crosses devices.
+    """
+    if is_stacked(axes):
+        (axis,) = axes
+        return jax.shard_map(
+            lambda terms, replicated: jax.tree.map(
+                lambda x: x[None],
+                fn(jax.tree.map(lambda leaf: leaf[0], terms), replicated),
+            ),
+            in_specs=(P(axis), P()),
+            out_specs=P(axis),
+        )
+    # As in `over_terms`: no cast from unreduced to varying in jax 0.10.2,
+    # so the map runs unchecked and hands each device its term as is; its
+    # results are each device's own terms of an unreduced output.
+    return jax.shard_map(
+        fn,
+        in_specs=(P(unreduced=set(axes)), P()),
+        out_specs=P(unreduced=set(axes)),
+        check_vma=False,
+    )
+
+
 def over_terms(
     fn: Callable[[Any, Any], tuple[Any, Any]], axes: frozenset[str]
 ) -> Callable[[Any, Any], tuple[Any, Any]]:

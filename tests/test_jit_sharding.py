@@ -284,6 +284,136 @@ def test_a_per_device_state_is_saved_through_reduce_window(any_mesh):
     assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
 
 
+# --- the gradient noise scale: each device's micro-batch a small batch ------
+
+NOISE_DECAY = 0.5
+
+
+def _tracked(make="MultiSteps"):
+    return getattr(ga, make)(
+        optax.sgd(1.0),
+        K,
+        unreduced_axes="data",
+        track_noise_scale=True,
+        noise_scale_decay=NOISE_DECAY,
+    )
+
+
+def _one_device_noise_stats(params, windows, weighted=True):
+    """Every device's share of every micro-batch fed apart to one device.
+
+    Weighted: each share weighs its number of valid examples. Unweighted:
+    a micro-step weighs 1, so each of the devices' equal shares 1 / n.
+    """
+    opt = ga.MultiSteps(
+        optax.sgd(1.0),
+        K * N_DEVICES,
+        track_noise_scale=True,
+        noise_scale_decay=NOISE_DECAY,
+    )
+    grad_fn = jax.value_and_grad(_masked_loss, has_aux=True)
+
+    @jax.jit
+    def step(params, state, x, y, mask):
+        (_, count), grads = grad_fn(params, x, y, mask)
+        weight = count if weighted else 1.0 / N_DEVICES
+        return opt.update(grads, state, params, weight=weight)[1]
+
+    params = jax.device_get(params)
+    state = opt.init(params)
+    for batches in windows:
+        for batch in batches:
+            shares = (np.split(part, N_DEVICES) for part in batch)
+            for x, y, mask in zip(*shares, strict=True):
+                state = step(params, state, x, y, mask)
+    return opt.stats(state)
+
+
+def _assert_same_noise_stats(stats, expected):
+    for name in ("grad_sq_norm", "noise_trace", "noise_scale"):
+        actual, wanted = getattr(stats, name), getattr(expected, name)
+        assert np.isfinite(wanted), name
+        np.testing.assert_allclose(actual, wanted, rtol=1e-5, err_msg=name)
+
+
+def test_tracked_noise_scale_adds_two_scalars_to_the_one_fused_all_reduce(any_mesh):
+    opt = _tracked()
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    args = _place(_micro_batches([16], masked=True)[0])
+    step = jax.jit(_weighted_step(opt))
+    ops = all_reduces(step.lower(params, state, *args).compile())
+    # A non-emitting micro-step still moves nothing: each device adds its
+    # own terms of A and k ...
+    assert [op for op in ops if op.place != "while-body"] == []
+    # ... which the emission reduces with the window and its weight.
+    assert [(op.operands, op.nbytes) for op in ops] == [(3 + 1 + 2, PARAM_BYTES + 12)]
+    _, state = step(params, state, *args)
+    assert _holds_terms(state.noise.sq_norm_sum, any_mesh, ())
+    assert _holds_terms(state.noise.micro_batches, any_mesh, ())
+
+
+@pytest.mark.parametrize("make", ["MultiSteps", "accumulate"])
+def test_noise_scale_of_device_micro_batches_equals_one_device_fed_them_apart(
+    any_mesh, make
+):
+    opt = _tracked(make)
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    windows = [_micro_batches([16, 32, 8], masked=True, seed=seed) for seed in range(2)]
+    # Ragged down to empty: some devices hold no valid example (weight 0,
+    # a 0/0 loss), and they must count for nothing in A or k.
+    empty = [part.sum() == 0 for batch in windows[0] for part in np.split(batch[2], 8)]
+    assert 0 < sum(empty) < len(empty)
+    for batches in windows:
+        for batch in batches:
+            _, state = step(params, state, *_place(batch))
+            assert _holds_terms(state.noise.sq_norm_sum, any_mesh, ())
+    stats = jax.jit(opt.stats)(state)
+    _assert_same_noise_stats(stats, _one_device_noise_stats(params, windows))
+
+
+def test_unweighted_device_gradients_weigh_one_nth_of_a_micro_batch(any_mesh):
+    opt = _tracked()
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    grad_fn = ga.local_value_and_grad(_mean_loss, "data")
+
+    @jax.jit
+    def step(params, state, x, y):
+        _, grads = grad_fn(params, x, y)
+        return opt.update(grads, state, params)
+
+    windows = [_micro_batches([16, 16, 16], seed=seed) for seed in range(2)]
+    for batches in windows:
+        for batch in batches:
+            _, state = step(params, state, *_place(batch[:2]))
+    expected = _one_device_noise_stats(params, windows, weighted=False)
+    _assert_same_noise_stats(jax.jit(opt.stats)(state), expected)
+
+
+def test_a_tracked_per_device_state_is_saved_through_reduce_window(any_mesh):
+    opt = _tracked()
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    windows = [_micro_batches([16, 32, 8], masked=True, seed=seed) for seed in range(2)]
+    for batch in windows[0] + windows[1][:1]:
+        _, state = step(params, state, *_place(batch))
+    saved = jax.device_get(jax.jit(opt.reduce_window)(state))
+    # Mid-window: A and k of the second window's first micro-batch, summed.
+    empty = sum(part.sum() == 0 for part in np.split(windows[1][0][2], N_DEVICES))
+    assert saved.noise.micro_batches == N_DEVICES - empty
+    assert saved.noise.sq_norm_sum.shape == ()
+    restored = jax.device_put(saved, P())
+    for batch in windows[1][1:]:
+        _, restored = step(params, restored, *_place(batch))
+    assert _holds_terms(restored.noise.sq_norm_sum, any_mesh, ())
+    stats = jax.jit(opt.stats)(restored)
+    _assert_same_noise_stats(stats, _one_device_noise_stats(params, windows))
+
+
 # --- errors -----------------------------------------------------------------
 
 
@@ -415,6 +545,29 @@ def _ternary_window(step, state, batches):
     for batch in batches:
         updates, state = step(params, state, *_place(batch))
     return updates, state
+
+
+def test_a_tracked_ternary_window_sums_the_noise_scale_terms_exactly(mesh):
+    opt = ga.MultiSteps(
+        optax.sgd(1.0),
+        K,
+        unreduced_axes="data",
+        window_reduction=ga.ternary_window_reduction(0, min_size=TERNARY_MIN_SIZE),
+        track_noise_scale=True,
+    )
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    args = _place(_micro_batches([16], masked=True)[0])
+    ops = all_reduces(
+        jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
+    )
+    assert {op.place for op in ops} == {"while-body"}
+    # A and k: two more scalars in the exact psum.
+    assert sorted(op.nbytes for op in ops) == [
+        SCALE_BYTES,
+        EXACT_BYTES + 2 * 4,
+        CODE_BYTES,
+    ]
 
 
 def test_ternary_window_is_identical_on_every_device_and_per_seed(any_mesh):
