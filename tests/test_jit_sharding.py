@@ -801,3 +801,27 @@ def test_per_device_ternary_state_checkpoints_and_draws_the_same_bits(any_mesh):
     assert bool(opt.has_updated(restored))
     for name in expected:
         np.testing.assert_array_equal(updates[name], expected[name], err_msg=name)
+
+
+def test_per_device_windows_track_the_noise_scale(any_mesh):
+    """Per-device windows (exact here: every leaf below ``min_size``) give
+    the noise scale of each device's micro-batches fed apart to one device:
+    A and k are reduced with the decoded sums, the window's norm is taken
+    after that one reduction."""
+    opt = ga.ternary_accumulate(
+        optax.sgd(1.0),
+        K,
+        min_size=10**6,
+        unreduced_axes="data",
+        track_noise_scale=True,
+        noise_scale_decay=NOISE_DECAY,
+    )
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(_weighted_step(opt))
+    windows = [_micro_batches([16, 32, 8], masked=True, seed=seed) for seed in range(2)]
+    for batches in windows:
+        for batch in batches:
+            _, state = step(params, state, *_place(batch))
+    stats = jax.jit(opt.stats)(state)
+    _assert_same_noise_stats(stats, _one_device_noise_stats(params, windows))
