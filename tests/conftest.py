@@ -19,23 +19,3 @@ for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-# The slowest modules first (each runs notebooks, subprocesses, a docs
-# build or a long optax suite): with two workers, a long test that starts
-# last leaves the other worker idle at the end of the run.
-_SLOW_MODULES = (
-    "test_notebooks.py",
-    "test_readme.py",
-    "test_optax_compat.py",
-    "test_multiprocess.py",
-    "test_docs.py",
-    "test_demo.py",
-    "test_packaging.py",
-    "test_types.py",
-    "test_examples.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in _SLOW_MODULES)
