@@ -244,6 +244,14 @@ def test_reset_drops_the_partial_window(mesh):
     assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
 
 
+def _run_window(step, state, batches):
+    """Runs a jitted ``step`` over ``batches``; the last updates and state."""
+    params = jax.device_put(_params(), P())
+    for batch in batches:
+        updates, state = step(params, state, *_place(batch))
+    return updates, state
+
+
 def test_a_non_finite_micro_batch_spoils_only_its_own_window(any_mesh):
     opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
     params = jax.device_put(_params(), P())
@@ -251,12 +259,10 @@ def test_a_non_finite_micro_batch_spoils_only_its_own_window(any_mesh):
     step = jax.jit(_weighted_step(opt))
     spoiled = _micro_batches([16, 16, 16], masked=True, seed=1)
     spoiled[1][0][3] = np.nan
-    for batch in spoiled:
-        updates, state = step(params, state, *_place(batch))
+    updates, state = _run_window(step, state, spoiled)
     assert np.isnan(np.asarray(updates["w1"])).any()
     batches = _micro_batches([16, 32, 8], masked=True, seed=2)
-    for batch in batches:
-        updates, state = step(params, state, *_place(batch))
+    updates, state = _run_window(step, state, batches)
     assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
 
 
@@ -539,14 +545,6 @@ def test_ternary_window_reduction_sends_a_sixth_of_the_bytes_inside_the_loop(
     assert sum(op.nbytes for op in ops) <= 0.16 * float_window
 
 
-def _ternary_window(step, state, batches):
-    """Runs ``step`` (jitted once per test: the seed is state) over a window."""
-    params = jax.device_put(_params(), P())
-    for batch in batches:
-        updates, state = step(params, state, *_place(batch))
-    return updates, state
-
-
 def test_a_tracked_ternary_window_sums_the_noise_scale_terms_exactly(mesh):
     opt = ga.MultiSteps(
         optax.sgd(1.0),
@@ -575,7 +573,7 @@ def test_ternary_window_is_identical_on_every_device_and_per_seed(any_mesh):
     params = jax.device_put(_params(), P())
     batches = _micro_batches([16, 32, 8], masked=True)
     step = jax.jit(_weighted_step(opt))
-    updates, state = _ternary_window(step, jax.jit(opt.init)(params), batches)
+    updates, state = _run_window(step, jax.jit(opt.init)(params), batches)
     assert bool(opt.has_updated(state))
     # The PRNG counter (seed, windows reduced) is in the state, replicated.
     np.testing.assert_array_equal(state.reduction_state, [3, 1])
@@ -593,9 +591,9 @@ def test_ternary_window_is_identical_on_every_device_and_per_seed(any_mesh):
     np.testing.assert_allclose(-np.asarray(updates["b"]), exact["b"], atol=1e-6)
     # Same seed, same draws; another seed (only the state differs, so the
     # same compiled step), other draws.
-    again, _ = _ternary_window(step, jax.jit(opt.init)(params), batches)
+    again, _ = _run_window(step, jax.jit(opt.init)(params), batches)
     other = _ternary_opt(seed=4, clip_sigma=2.5)
-    different, _ = _ternary_window(step, jax.jit(other.init)(params), batches)
+    different, _ = _run_window(step, jax.jit(other.init)(params), batches)
     np.testing.assert_array_equal(again["w1"], updates["w1"])
     assert not np.array_equal(different["w1"], updates["w1"])
 
@@ -642,7 +640,7 @@ def test_ternary_window_state_checkpoints_and_draws_the_same_bits(mesh):
     step = jax.jit(_weighted_step(opt))
     first = _micro_batches([16, 32, 8], masked=True, seed=0)
     second = _micro_batches([16, 32, 8], masked=True, seed=1)
-    _, state = _ternary_window(step, jax.jit(opt.init)(params), first)
+    _, state = _run_window(step, jax.jit(opt.init)(params), first)
     # Saved at a window boundary: the counter is all the reduction keeps.
     saved = jax.device_get(jax.jit(opt.reduce_window)(state))
     np.testing.assert_array_equal(saved.reduction_state, [5, 1])
@@ -719,7 +717,7 @@ def test_per_device_ternary_update_is_identical_on_every_device(any_mesh):
     params = jax.device_put(_params(), P())
     step = jax.jit(_weighted_step(opt))
     batches = _micro_batches([16, 32, 8], masked=True)
-    updates, state = _ternary_window(step, jax.jit(opt.init)(params), batches)
+    updates, state = _run_window(step, jax.jit(opt.init)(params), batches)
     assert bool(opt.has_updated(state))
     for name, leaf in updates.items():
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
