@@ -53,13 +53,36 @@ def run_if(pred: jax.Array, fn: Callable[[Carry], Carry], carry: Carry) -> Carry
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _run_if(fn, pred, carry, consts):
-    def body(trips_and_carry):
-        trips, inner = trips_and_carry
-        return trips - 1, fn(inner, *consts)
+    def body(loop_carry):
+        trips, count, inner = loop_carry
+        # XLA hoists loop-invariant code out of while loops, and work that
+        # reads only values the loop passes through unchanged (a window a
+        # nested loop reads, the closed-over params) is invariant: hoisted,
+        # it would run even when the loop runs zero times, into a temporary
+        # copied into the carry afterwards. Tied to the trip count through a
+        # barrier, everything the body reads varies, and nothing is hoisted.
+        inner, consts_ = jax.tree.map(
+            functools.partial(_tie_to, count), (inner, consts)
+        )
+        return trips - 1, count + 1, fn(inner, *consts_)
 
     trips = jnp.asarray(pred, jnp.int32)
-    _, carry = jax.lax.while_loop(lambda tc: tc[0] > 0, body, (trips, carry))
+    count = jnp.zeros([], jnp.int32)
+    _, _, carry = jax.lax.while_loop(
+        lambda loop_carry: loop_carry[0] > 0, body, (trips, count, carry)
+    )
     return carry
+
+
+def _tie_to(count: jax.Array, leaf: jax.Array) -> jax.Array:
+    """``leaf``, made to depend on ``count`` for XLA (an optimization barrier).
+
+    ``count`` is cast to the mesh axes ``leaf`` varies over, so that inside
+    ``shard_map`` the barrier leaves ``leaf``'s type as it is. (The trip
+    count itself may vary over axes the leaf does not.)
+    """
+    _, leaf = jax.lax.optimization_barrier((vary_over(count, varying_axes(leaf)), leaf))
+    return leaf
 
 
 @_run_if.defjvp
