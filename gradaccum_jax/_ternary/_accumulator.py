@@ -25,10 +25,9 @@ from gradaccum_jax._ternary._leaves import (
     is_masked,
 )
 from gradaccum_jax._ternary._quantize import (
-    clipped_scale,
     codes_from_bits,
-    max_abs_and_bound,
     poison_if_nonfinite,
+    scale_and_bound,
     ternary_dequantize,
 )
 from gradaccum_jax._window import WindowAccumulator
@@ -128,12 +127,10 @@ def _ternary_window_accumulator(
             if is_masked(scale):
                 return code_sum + value, scale
             # The statistics of w * g from those of g: no w * g written out.
-            max_abs, bound, finite = max_abs_and_bound(
+            step_scale, bound, finite = scale_and_bound(
                 grad.astype(jnp.float32), clip_sigma, weight
             )
-            new_scale = poison_if_nonfinite(
-                finite, jnp.maximum(scale, clipped_scale(max_abs, bound))
-            )
+            new_scale = poison_if_nonfinite(finite, jnp.maximum(scale, step_scale))
             random_bits = _random.bits(_random.stream(acc.key, index), value.shape)
             kept = _rescale(code_sum, scale, new_scale, random_bits)
             # One draw serves both roundings: each stays unbiased on its own,

@@ -22,9 +22,8 @@ from gradaccum_jax._ternary._leaves import (
 )
 from gradaccum_jax._ternary._quantize import (
     clip,
-    clipped_scale,
-    max_abs_and_bound,
     poison_if_nonfinite,
+    scale_and_bound,
     stochastic_codes,
     ternary_dequantize,
     ternary_quantize,
@@ -100,8 +99,7 @@ def ternarize(
             if keep_residual:
                 x = x + residual
             if stochastic:
-                max_abs, bound, finite = max_abs_and_bound(x, clip_sigma)
-                scale = clipped_scale(max_abs, bound)
+                scale, bound, finite = scale_and_bound(x, clip_sigma)
                 codes = stochastic_codes(
                     x, scale, bound, _random.stream(state.key, index)
                 )
