@@ -279,9 +279,11 @@ def timing_rows(sizes, every_k, repeats):
             "float32": ga.MultiSteps(sgd, every_k).gradient_transformation(),
             "ternary": ga.ternary_accumulate(sgd, every_k),
         }
-        acc = accumulation_ms(accumulators, params, every_k, windows=repeats)
+        # A window has one emitting step: 4 windows per repeat, so that its
+        # median is over as many samples as the others are.
+        acc = accumulation_ms(accumulators, params, every_k, windows=4 * repeats)
         weighted = accumulation_ms(
-            accumulators, params, every_k, windows=repeats, weighted=True
+            accumulators, params, every_k, windows=4 * repeats, weighted=True
         )
         one = transform_ms(
             {"float32": optax.identity(), "ternary": ga.ternarize(0)},
