@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax._ternary._leaves import is_compressed
+from gradaccum_jax._ternary._leaves import NoResidual, is_compressed
 
 
 class TernaryState(NamedTuple):
@@ -39,9 +39,10 @@ class TernaryState(NamedTuple):
         ``_ternary._random``; checkpointable), advanced on every update.
       residual: float32 compression bias per compressed leaf (the whole error
         for TWN, the clipping error for TernGrad), added to the next step's
-        input (error feedback); ``optax.MaskedNode()`` for leaves that keep
-        no residual (uncompressed leaves, ``error_feedback=False``, or
-        TernGrad without clipping, which is unbiased).
+        input (error feedback); a `NoResidual` (the leaf's shape, no array)
+        for leaves that keep no residual (uncompressed leaves,
+        ``error_feedback=False``, or TernGrad without clipping, which is
+        unbiased).
     """
 
     key: jax.Array
@@ -56,11 +57,11 @@ def keeps_residual(
 
 
 def residual_init(params: Any, min_size: int, keep_residual: bool) -> Any:
-    """Float32 zeros for leaves that keep a residual, MaskedNode elsewhere."""
+    """Float32 zeros for leaves that keep a residual, `NoResidual` elsewhere."""
 
     def leaf_init(param):
         if keep_residual and is_compressed(param, min_size):
             return jnp.zeros(np.shape(param), jnp.float32)
-        return optax.MaskedNode()
+        return NoResidual(tuple(np.shape(param)))
 
     return jax.tree.map(leaf_init, params)

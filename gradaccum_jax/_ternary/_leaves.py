@@ -1,11 +1,13 @@
 """Which leaves are compressed, and the tree plumbing around them.
 
 Compression is decided per leaf from its static shape (`is_compressed`);
-leaves that keep nothing in a state are ``optax.MaskedNode()`` there.
+leaves that keep nothing in a state are a `NoResidual` there (their shape,
+no array), or ``optax.MaskedNode()`` where no shape is needed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -36,8 +38,23 @@ def common_config(
     )
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class NoResidual:
+    """A state slot that keeps no array, only its leaf's shape.
+
+    A static pytree node: no leaves, so it costs no memory and passes
+    through ``jax.jit``, ``pmap`` and checkpoints like ``optax.MaskedNode()``,
+    while the shape (in the tree definition) still lets `check_updates`
+    reject updates of the wrong shape at such a leaf.
+    """
+
+    shape: tuple[int, ...]
+
+
 def is_masked(node: Any) -> bool:
-    return isinstance(node, optax.MaskedNode)
+    """Whether a state slot holds no array (`NoResidual` or ``MaskedNode``)."""
+    return isinstance(node, optax.MaskedNode | NoResidual)
 
 
 def check_updates(
@@ -49,8 +66,8 @@ def check_updates(
 ) -> None:
     """Raises, naming the leaf, if ``updates`` do not match a state template.
 
-    ``template`` is shaped like the params, with ``optax.MaskedNode()`` at
-    leaves whose shape the state does not record. With ``keep_residual``,
+    ``template`` is shaped like the params: arrays, or a `NoResidual`
+    recording the shape where the state keeps no array. With ``keep_residual``,
     a leaf must also be compressed exactly where the template holds a
     residual (``min_size`` decides): a small leaf that grew past
     ``min_size`` would have no residual to use.
@@ -63,26 +80,32 @@ def check_updates(
         "the parameters the state was initialized with",
         placeholder=is_masked,
     )
-    if not keep_residual or min_size is None:
-        return
     leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
     slots = jax.tree.leaves(template, is_leaf=is_masked)
     for (path, leaf), slot in zip(leaves, slots, strict=True):
-        if is_compressed(leaf, min_size) and is_masked(slot):
+        name = jax.tree_util.keystr(path)
+        grown = keep_residual and min_size is not None and is_compressed(leaf, min_size)
+        if grown and is_masked(slot):
             raise ValueError(
-                f"{caller}: updates leaf {jax.tree_util.keystr(path)} has shape "
+                f"{caller}: updates leaf {name} has shape "
                 f"{np.shape(leaf)} ({np.size(leaf)} elements, compressed since "
                 f"min_size={min_size}), but the state was initialized with a "
                 "leaf too small to compress there (no residual): initialize "
                 "the state with the parameters the updates come from."
+            )
+        if isinstance(slot, NoResidual) and np.shape(leaf) != slot.shape:
+            raise ValueError(
+                f"{caller}: updates leaf {name} has shape {np.shape(leaf)}, but "
+                "the parameters the state was initialized with have shape "
+                f"{slot.shape} there."
             )
 
 
 def unzip(reference: Any, pairs: Any) -> tuple[Any, Any]:
     """Splits a tree of pairs, one per leaf of ``reference``, into two trees.
 
-    Unlike ``jax.tree.transpose`` it allows ``optax.MaskedNode()`` (a node
-    with no leaves) in either half.
+    Unlike ``jax.tree.transpose`` it allows a node with no leaves
+    (`NoResidual`, ``optax.MaskedNode()``) in either half.
     """
     first = jax.tree.map(lambda _, pair: pair[0], reference, pairs)
     second = jax.tree.map(lambda _, pair: pair[1], reference, pairs)
