@@ -78,7 +78,7 @@ def test_codes_dtype_values_and_scale(stochastic, dtype):
     if stochastic:
         x32 = np.asarray(x, np.float32)
         bound = 2.5 * np.sqrt(np.mean(x32**2))
-        np.testing.assert_allclose(scale, bound, rtol=1e-5)
+        np.testing.assert_allclose(scale, min(np.abs(x32).max(), bound), rtol=1e-5)
 
 
 def test_unclipped_scale_is_max_abs():
@@ -425,35 +425,45 @@ def test_weighted_statistics_come_from_the_unweighted_gradient():
     # 1e-20: (w g)**2 would underflow float32, clipping everything to 0.
     for weight in (0.5, -3.0, 1e-20):
         weight = jnp.float32(weight)
+        # Exact: rounding is monotone, so max|w g| = |w| max|g|.
+        max_abs = float(jnp.max(jnp.abs(weight * x)))
         scale, bound, finite = _quantize.scale_and_bound(x, 2.5, weight)
         np.testing.assert_allclose(bound, 2.5 * abs(float(weight)) * rms, rtol=1e-6)
-        # With clipping the scale is the bound: one reduction, no max|x|.
+        # The bound is the scale: one reduction, no max|x|.
         assert float(scale) == float(bound) and bool(finite)
+        tight = _quantize.scale_and_bound(x, 2.5, weight, tight=True)
+        assert float(tight[0]) == min(max_abs, float(bound)) and bool(tight[2])
         scale, bound, finite = _quantize.scale_and_bound(x, None, weight)
-        # Exact: rounding is monotone, so max|w g| = |w| max|g|.
-        assert float(scale) == float(jnp.max(jnp.abs(weight * x)))
+        assert float(scale) == max_abs
         assert float(bound) == np.inf and bool(finite)
-    for clip_sigma in (2.5, None):
+    for clip_sigma, tight in ((2.5, False), (2.5, True), (None, False)):
+        kwargs = {"clip_sigma": clip_sigma, "tight": tight}
         for weight in (np.nan, np.inf):
-            finite = _quantize.scale_and_bound(x, clip_sigma, jnp.float32(weight))[2]
-            assert not bool(finite)
+            finite = _quantize.scale_and_bound(x, weight=jnp.float32(weight), **kwargs)
+            assert not bool(finite[2])
         for bad in (np.nan, np.inf):
-            finite = _quantize.scale_and_bound(x.at[7].set(bad), clip_sigma, 2.0)[2]
-            assert not bool(finite)
+            finite = _quantize.scale_and_bound(x.at[7].set(bad), weight=2.0, **kwargs)
+            assert not bool(finite[2])
     # Finite, but the sum of squares overflows float32: no bound to draw
-    # codes against, so it counts as non-finite (with clipping only).
+    # codes against in one pass (non-finite); tight, it is merely not clipped.
     huge = jnp.full((1000,), 1e19, jnp.float32)
     assert not bool(_quantize.scale_and_bound(huge, 2.5)[2])
+    scale, _, finite = _quantize.scale_and_bound(huge, 2.5, tight=True)
+    assert float(scale) == float(np.float32(1e19)) and bool(finite)
     assert bool(_quantize.scale_and_bound(huge, None)[2])
 
 
 def test_scale_is_the_clipping_bound_even_without_outliers():
-    # A constant tensor: TernGrad's max|clip(x)| would be 1 (exact codes);
-    # the bound 2.5 keeps the codes unbiased at probability 1 / 2.5.
+    # A constant tensor: ternary_quantize's scale is max|clip(x)| = 1 (exact
+    # codes); the accumulator's is the bound 2.5, from one pass, and its
+    # codes stay unbiased, each 1 with probability 1 / 2.5.
     x = jnp.ones((4096,))
     codes, scale = ga.ternary_quantize(x, jax.random.key(0))
-    assert float(scale) == 2.5
-    np.testing.assert_allclose(np.mean(np.asarray(codes)), 0.4, atol=0.02)
+    assert float(scale) == 1.0 and np.all(np.asarray(codes) == 1)
+    accumulator = _accumulator._ternary_window_accumulator(0, 2.5)
+    window = accumulator.add(accumulator.init(x), x, jnp.float32(1.0))
+    assert float(window.scales) == 2.5
+    np.testing.assert_allclose(np.mean(np.asarray(window.code_sums)), 0.4, atol=0.02)
 
 
 def test_weighted_micro_step_writes_no_float_temporary():

@@ -79,7 +79,9 @@ def _ternary_window_accumulator(
     """A `WindowAccumulator` storing ternary code sums and per-leaf scales.
 
     Each micro-step's weighted gradient ``v = w * g`` is clipped (TernGrad)
-    and the window's scale grows to ``s' = max(s, max|clipped v|)``. When it
+    and the window's scale grows to ``s' = max(s, scale(v))``, where
+    ``scale(v)`` is the clipping bound (``max|v|`` without clipping; see
+    ``_quantize.scale_and_bound``: one reduction of ``g``). When it
     grows, the code sums so far are stochastically rounded to the new scale
     (``S <- round(S * s / s')``, unbiased), then ``v``'s TernGrad codes
     against ``s'`` are added. Every step is unbiased given the past, so
@@ -227,7 +229,10 @@ def ternary_accumulate(
     Guarantee: the emitted gradient is an unbiased estimate of the window's
     (weighted) mean of the clipped micro-batch gradients, exactly unbiased
     for the mean of the gradients with ``clip_sigma=None``. The window's
-    scale is the running maximum of the micro-steps' scales; when it grows,
+    scale is the running maximum of the micro-steps' scales (each the
+    clipping bound ``clip_sigma * rms(w g)``, which is TernGrad's
+    ``max|clip(w g)|`` whenever an element reaches it, or ``max|w g|``
+    without clipping); when it grows,
     the code sums so far are stochastically re-rounded to the new scale, so
     no micro-step is clipped to another's scale (the bias of storing codes
     with an average scale). Micro-batch weights (``update(..., weight=w)``)

@@ -38,54 +38,67 @@ def validate_clip_sigma(value: Any) -> float | None:
 
 
 def scale_and_bound(
-    x: jax.Array, clip_sigma: float | None, weight: jax.Array | None = None
+    x: jax.Array,
+    clip_sigma: float | None,
+    weight: jax.Array | None = None,
+    *,
+    tight: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """TernGrad's scale and clipping bound of ``v``, and whether v is all finite.
+    """The scale and clipping bound of ``v``, and whether v is all finite.
 
     ``v = weight * x`` (``x`` itself when ``weight`` is None). The codes of
     ``v`` are drawn against ``scale`` after clipping to [-bound, bound], so
     any ``scale >= max|clip(v)|`` keeps them unbiased; the smaller the
     scale, the smaller their variance.
 
-    With clipping, ``bound = clip_sigma * rms(v)`` and the scale is the
-    bound itself. TernGrad's scale is ``max|clip(v)| = min(max|v|, bound)``:
-    the same number whenever some element reaches the bound, which for a
-    gradient-like tensor of a thousand elements or more is all but certain
-    (each element of a Gaussian one exceeds 2.5 rms with probability 1.2 %),
-    and it would take a second reduction, max|v|, a whole extra pass over
-    ``x`` on every step. Only a tensor with no outlier at all (a constant
-    one, say) gets a larger scale than TernGrad's, hence a larger variance,
-    never a bias. The standard deviation is taken about zero (the root mean
-    square): TernGrad's sigma for zero-mean gradients, and never 0 for a
-    non-zero tensor, so ``clip_sigma >= 1`` never clips one to zeros.
+    With clipping, ``bound = clip_sigma * rms(v)``. The standard deviation
+    is taken about zero (the root mean square): TernGrad's sigma for
+    zero-mean gradients, and never 0 for a non-zero tensor, so
+    ``clip_sigma >= 1`` never clips one to zeros. The scale is then:
+
+    - ``tight``: TernGrad's ``max|clip(v)| = min(max|v|, bound)``, which
+      takes a second reduction, max|v|: what `ternary_quantize` and
+      `ternarize` promise. A finite ``x`` whose sum of squares overflows
+      float32 (rms above ~1.8e19 / sqrt(size)) has an infinite bound and is
+      merely not clipped.
+    - otherwise, the bound itself: the same number whenever some element
+      reaches the bound, which for a gradient-like tensor of a thousand
+      elements or more is all but certain (each element of a Gaussian one
+      exceeds 2.5 rms with probability 1.2 %), in one reduction, a whole
+      pass over ``x`` fewer on every step. Only a tensor with no outlier at
+      all (a constant one, say) gets a larger scale than TernGrad's, hence
+      a larger variance, never a bias. A finite ``x`` whose sum of squares
+      overflows counts as non-finite: no code can be drawn against an
+      infinite scale.
 
     Without clipping the scale is ``max|v|`` and the bound +inf.
 
     Whether v is finite comes from the same reductions: a NaN makes the sum
     of squares NaN, an infinity makes it +inf (XLA's CPU max reduction may
-    drop a NaN, a sum cannot). With clipping, a finite ``x`` whose sum of
-    squares overflows float32 (rms above ~1.8e19 / sqrt(size)) counts as
-    non-finite as well: its bound would be +inf, so no code could be drawn
-    against it. The weight is applied to the scalars, not to ``x``:
-    XLA:CPU's reductions do not fuse an elementwise producer, so reducing
-    ``weight * x`` would first write it out, a parameter-sized temporary and
-    a whole extra pass. ``max|w x| = |w| max|x|`` exactly (rounding is
-    monotone), and ``rms(w x) = |w| rms(x)`` up to rounding.
+    drop a NaN, a sum cannot). The weight is applied to the scalars, not to
+    ``x``: XLA:CPU's reductions do not fuse an elementwise producer, so
+    reducing ``weight * x`` would first write it out, a parameter-sized
+    temporary and a whole extra pass. ``max|w x| = |w| max|x|`` exactly
+    (rounding is monotone), and ``rms(w x) = |w| rms(x)`` up to rounding.
     """
     sum_sq = jnp.sum(jnp.square(x))
     magnitude = jnp.float32(1.0) if weight is None else jnp.abs(weight)
-    if clip_sigma is None:
-        # Two plain reductions, not one variadic (max, sum) reduce: XLA:CPU
-        # runs plain ones as YNNPACK kernels, and a variadic one through its
-        # generic reduction loop, measured 1.4x slower than both plain ones
-        # together on 16 MB (3.6x on 4 MB).
-        scale = magnitude * jnp.max(jnp.abs(x), initial=0.0)
-        # A non-finite weight makes v non-finite; |w| * max|x| is then inf
-        # or NaN, and NaN is not finite either.
-        finite = ~jnp.isnan(sum_sq) & jnp.isfinite(scale)
-        return scale, jnp.float32(jnp.inf), finite
-    bound = clip_sigma * magnitude * jnp.sqrt(sum_sq / max(x.size, 1))
-    return bound, bound, jnp.isfinite(bound)
+    bound = (
+        jnp.float32(jnp.inf)
+        if clip_sigma is None
+        else clip_sigma * magnitude * jnp.sqrt(sum_sq / max(x.size, 1))
+    )
+    if clip_sigma is not None and not tight:
+        return bound, bound, jnp.isfinite(bound)
+    # Two plain reductions, not one variadic (max, sum) reduce: XLA:CPU runs
+    # plain ones as YNNPACK kernels, and a variadic one through its generic
+    # reduction loop, measured 1.4x slower than both plain ones together on
+    # 16 MB (3.6x on 4 MB).
+    max_abs = magnitude * jnp.max(jnp.abs(x), initial=0.0)
+    # A non-finite weight makes v non-finite; |w| * max|x| is then inf or
+    # NaN, and NaN is not finite either.
+    finite = ~jnp.isnan(sum_sq) & jnp.isfinite(max_abs)
+    return jnp.minimum(max_abs, bound), bound, finite
 
 
 def clip(x: jax.Array, bound: jax.Array) -> jax.Array:
@@ -154,9 +167,8 @@ def ternary_quantize(
 
     With a ``key``, TernGrad's stochastic ternarization (Wen et al., NeurIPS
     2017): ``x`` is clipped to ``clip_sigma`` standard deviations (taken about
-    zero, see below), the scale is that clipping bound (``max|x|`` with
-    ``clip_sigma=None``), and each code is ``sign(x)`` with probability
-    ``|clipped x| / scale``, else 0. Hence
+    zero, see below), ``scale = max|clipped x|``, and each code is
+    ``sign(x)`` with probability ``|clipped x| / scale``, else 0. Hence
     ``E[dequantize(codes, scale)] = clipped x``: exactly unbiased for ``x``
     when ``clip_sigma=None``; clipping trades a small bias on the outliers
     for a smaller scale, hence much less variance on everything else.
@@ -171,10 +183,9 @@ def ternary_quantize(
     The standard deviation used for clipping is the root mean square of
     ``x``: the paper's sigma for zero-mean gradients, and never zero for a
     non-zero tensor, so ``clip_sigma >= 1`` never clips a tensor to zeros.
-    TernGrad's scale is ``max|clipped x|``, the same as the bound whenever
-    an element reaches it (all but certain for a gradient-like tensor of a
-    thousand elements); taking the bound saves a pass over ``x`` and only
-    adds variance to a tensor without outliers, never bias.
+    (`ternary_accumulate` and `ternary_average_across_devices` take the
+    clipping bound itself as the scale: the same number whenever an element
+    reaches the bound, one pass over the gradient fewer.)
 
     An all-zero ``x`` gives all-zero codes and scale 0 (no NaN). A ``x``
     holding any NaN or infinity gives ``scale = NaN`` and codes that are
@@ -208,7 +219,7 @@ def ternary_quantize(
         codes = jnp.where(support, jnp.sign(x), 0.0).astype(jnp.int8)
         finite = jnp.all(jnp.isfinite(x))
     else:
-        scale, bound, finite = scale_and_bound(x, clip_sigma)
+        scale, bound, finite = scale_and_bound(x, clip_sigma, tight=True)
         codes = stochastic_codes(x, scale, bound, _random.stream_from_key(key))
     return codes, poison_if_nonfinite(finite, scale.astype(jnp.float32))
 

@@ -99,7 +99,7 @@ def ternarize(
             if keep_residual:
                 x = x + residual
             if stochastic:
-                scale, bound, finite = scale_and_bound(x, clip_sigma)
+                scale, bound, finite = scale_and_bound(x, clip_sigma, tight=True)
                 codes = stochastic_codes(
                     x, scale, bound, _random.stream(state.key, index)
                 )
