@@ -137,9 +137,11 @@ def _psum_codes(
 ) -> dict[int, jax.Array]:
     """Sums each leaf's int8 codes over devices in one packed psum.
 
-    Each leaf is packed on its own and the words are concatenated (1/7 of
-    the codes' bytes with 8 devices), so that computing a code never has
-    to find which leaf an element of a concatenation belongs to.
+    Each leaf is packed on its own (1/7 of the codes' bytes with 8 devices)
+    and the leaves' words go in one variadic all-reduce: a concatenation
+    would make the packing (into which XLA fuses the codes' computation)
+    find which leaf each word belongs to: a 2-device step of a 4.7M
+    parameter MLP took 97 ms with it, 80 ms without.
     """
     if not codes:
         return {}
@@ -175,8 +177,9 @@ def ternary_average_across_devices(
     (``p_d = 1 / n``, or ``weight_d / sum(weight)`` when ``weight=`` is
     passed), clips it (TernGrad, Wen et al., NeurIPS 2017), and the devices
     agree on one scale per leaf, ``s = pmax(scale_d)``, where ``scale_d`` is
-    the clipping bound of ``x_d`` (``max|x_d|`` without clipping; see
-    `ternary_quantize`). Each device then draws TernGrad's unbiased codes
+    the clipping bound of ``x_d``: TernGrad's ``max|clip(x_d)|`` whenever an
+    element reaches the bound, found in one pass over the update (``max|x_d|``
+    without clipping). Each device then draws TernGrad's unbiased codes
     against ``s`` with its own bits; the codes are summed over devices by
     one integer psum, and the result ``sum_d codes_d * s`` is bitwise
     identical on every device. Its expectation is the (weighted) mean of
