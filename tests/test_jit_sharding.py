@@ -109,6 +109,27 @@ def _weighted_step(opt):
     return step
 
 
+def _weighted_step_all_reduces(opt):
+    """The all-reduces of ``opt``'s compiled `_weighted_step` (one micro-batch)."""
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    args = _place(_micro_batches([16], masked=True)[0])
+    return all_reduces(
+        jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
+    )
+
+
+def _unweighted_step(opt):
+    """Each device's gradient of its mean loss: a micro-batch weighs 1/n each."""
+    grad_fn = ga.local_value_and_grad(_mean_loss, "data")
+
+    def step(params, state, x, y):
+        _, grads = grad_fn(params, x, y)
+        return opt.update(grads, state, params)
+
+    return step
+
+
 def _max_error(updates, grads):
     # sgd(1.0) emits minus the window's gradient.
     return max(
@@ -146,13 +167,7 @@ def test_one_fused_all_reduce_inside_the_emission_loop_and_none_outside(
     if weighted:
         compiled = jax.jit(_weighted_step(opt)).lower(params, state, x, y, mask)
     else:
-        grad_fn = ga.local_value_and_grad(_mean_loss, "data")
-
-        def step(params, state, x, y):
-            _, grads = grad_fn(params, x, y)
-            return opt.update(grads, state, params)
-
-        compiled = jax.jit(step).lower(params, state, x, y)
+        compiled = jax.jit(_unweighted_step(opt)).lower(params, state, x, y)
     ops = all_reduces(compiled.compile())
     # Nothing crosses devices on a micro-step that does not emit ...
     assert [op for op in ops if op.place != "while-body"] == []
@@ -164,12 +179,7 @@ def test_one_fused_all_reduce_inside_the_emission_loop_and_none_outside(
 
 def test_accumulate_in_a_chain_reduces_once_per_window_too(mesh):
     opt = optax.chain(ga.accumulate(optax.sgd(1.0), K, unreduced_axes=("data",)))
-    params = jax.device_put(_params(), P())
-    state = jax.jit(opt.init)(params)
-    args = _place(_micro_batches([16], masked=True)[0])
-    ops = all_reduces(
-        jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
-    )
+    ops = _weighted_step_all_reduces(opt)
     assert [(op.place, op.nbytes) for op in ops] == [("while-body", PARAM_BYTES + 4)]
 
 
@@ -214,14 +224,26 @@ def test_unweighted_equal_micro_batches_equal_the_big_batch_gradient(mesh):
     )
 
 
-def test_flush_emits_the_partial_window_and_stats_reduce_its_weight(any_mesh):
-    opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+# A float32 window, and per-device ternary windows with every leaf below
+# ``min_size``: each device's window is then an exact float32 sum, so the
+# plumbing (per-device add, decode, one reduction) must give the big-batch
+# gradient exactly.
+WINDOWS = {
+    "float32": lambda: ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data"),
+    "per-device-ternary": lambda: _per_device_ternary(min_size=10**6),
+}
+
+
+@pytest.mark.parametrize("build", WINDOWS.values(), ids=WINDOWS.keys())
+def test_flush_emits_the_partial_window_and_stats_reduce_its_weight(any_mesh, build):
+    opt = build()
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
     step = jax.jit(_weighted_step(opt))
     batches = _micro_batches([16, 24], masked=True)
     for batch in batches:
         _, state = step(params, state, *_place(batch))
+    assert not bool(opt.has_updated(state))
     stats = jax.jit(opt.stats)(state)
     assert int(stats.window_fill) == 2
     assert float(stats.window_weight) == sum(float(b[2].sum()) for b in batches)
@@ -231,17 +253,30 @@ def test_flush_emits_the_partial_window_and_stats_reduce_its_weight(any_mesh):
     assert float(jax.jit(opt.stats)(state).window_weight) == 0.0
 
 
-def test_reset_drops_the_partial_window(mesh):
-    opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+@pytest.mark.parametrize("build", WINDOWS.values(), ids=WINDOWS.keys())
+def test_reset_drops_the_partial_window(mesh, build):
+    opt = build()
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
     step = jax.jit(_weighted_step(opt))
     _, state = step(params, state, *_place(_micro_batches([16], True, seed=9)[0]))
     state = jax.jit(opt.reset)(state)
+    assert int(jax.jit(opt.stats)(state).window_fill) == 0
     batches = _micro_batches([16, 32, 8], masked=True)
     for batch in batches:
         updates, state = step(params, state, *_place(batch))
+    assert bool(opt.has_updated(state))
     assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+
+
+def _assert_replicated_bitwise(updates):
+    """Every device holds the whole of each leaf, bitwise the same."""
+    for name, leaf in updates.items():
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == N_DEVICES
+        assert all(s.shape == leaf.shape for s in shards), name
+        for shard in shards[1:]:
+            np.testing.assert_array_equal(shard, shards[0], err_msg=name)
 
 
 def _run_window(step, state, batches):
@@ -384,13 +419,7 @@ def test_unweighted_device_gradients_weigh_one_nth_of_a_micro_batch(any_mesh):
     opt = _tracked()
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
-    grad_fn = ga.local_value_and_grad(_mean_loss, "data")
-
-    @jax.jit
-    def step(params, state, x, y):
-        _, grads = grad_fn(params, x, y)
-        return opt.update(grads, state, params)
-
+    step = jax.jit(_unweighted_step(opt))
     windows = [_micro_batches([16, 16, 16], seed=seed) for seed in range(2)]
     for batches in windows:
         for batch in batches:
@@ -531,12 +560,7 @@ def test_ternary_window_reduction_sends_a_sixth_of_the_bytes_inside_the_loop(
     any_mesh,
 ):
     opt = _ternary_opt()
-    params = jax.device_put(_params(), P())
-    state = jax.jit(opt.init)(params)
-    args = _place(_micro_batches([16], masked=True)[0])
-    ops = all_reduces(
-        jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
-    )
+    ops = _weighted_step_all_reduces(opt)
     assert {op.place for op in ops} == {"while-body"}
     assert sorted(op.nbytes for op in ops) == [SCALE_BYTES, EXACT_BYTES, CODE_BYTES]
     float_window = PARAM_BYTES + 4
@@ -553,12 +577,7 @@ def test_a_tracked_ternary_window_sums_the_noise_scale_terms_exactly(mesh):
         window_reduction=ga.ternary_window_reduction(0, min_size=TERNARY_MIN_SIZE),
         track_noise_scale=True,
     )
-    params = jax.device_put(_params(), P())
-    state = jax.jit(opt.init)(params)
-    args = _place(_micro_batches([16], masked=True)[0])
-    ops = all_reduces(
-        jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
-    )
+    ops = _weighted_step_all_reduces(opt)
     assert {op.place for op in ops} == {"while-body"}
     # A and k: two more scalars in the exact psum.
     assert sorted(op.nbytes for op in ops) == [
@@ -577,12 +596,7 @@ def test_ternary_window_is_identical_on_every_device_and_per_seed(any_mesh):
     assert bool(opt.has_updated(state))
     # The PRNG counter (seed, windows reduced) is in the state, replicated.
     np.testing.assert_array_equal(state.reduction_state, [3, 1])
-    for name, leaf in updates.items():
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        assert len(shards) == N_DEVICES
-        assert all(s.shape == leaf.shape for s in shards), name
-        for shard in shards[1:]:
-            np.testing.assert_array_equal(shard, shards[0], err_msg=name)
+    _assert_replicated_bitwise(updates)
     # Ternary: each device sends codes in {-1, 0, 1} times one shared scale,
     # so a compressed leaf's sum takes at most 2n + 1 values.
     assert len(np.unique(np.asarray(updates["w1"]))) <= 2 * N_DEVICES + 1
@@ -598,11 +612,24 @@ def test_ternary_window_is_identical_on_every_device_and_per_seed(any_mesh):
     assert not np.array_equal(different["w1"], updates["w1"])
 
 
-def _assert_unbiased(samples, exact, shrink):
-    """Each element's mean over seeds is within 6 standard errors of the
-    exact gradient, and averaging the seeds shrinks the error of one seed
-    (the largest element's) by more than ``shrink``."""
-    seeds = len(samples["w1"])
+def _assert_unbiased_over_seeds(opt, seeded, seeds, shrink):
+    """Runs one window of ``opt`` from ``seeded(state0, seed)`` per seed.
+
+    Without clipping each element's mean over seeds must be within 6
+    standard errors of the exact big-batch gradient, and averaging the
+    seeds must shrink the error of one seed (the largest element's) by more
+    than ``shrink``. One compiled step serves every seed: the seed is state.
+    """
+    params = jax.device_put(_params(), P())
+    batches = _micro_batches([16, 32, 8], masked=True)
+    exact = _big_batch_grad(params, batches)
+    step = jax.jit(_weighted_step(opt))
+    state0 = jax.jit(opt.init)(params)
+    samples = {name: [] for name in exact}
+    for seed in range(seeds):
+        updates, _ = _run_window(step, seeded(state0, seed), batches)
+        for name in exact:
+            samples[name].append(-np.asarray(updates[name]))
     single_seed_error = np.abs(samples["w1"][0] - exact["w1"]).max()
     for name, draws in samples.items():
         draws = np.stack(draws)
@@ -614,24 +641,15 @@ def _assert_unbiased(samples, exact, shrink):
 
 
 def test_ternary_window_is_unbiased_over_seeds(any_mesh):
-    """Without clipping the emitted gradient's mean over seeds is the exact
-    big-batch gradient, within 6 standard errors per element."""
-    params = jax.device_put(_params(), P())
-    batches = _micro_batches([16, 32, 8], masked=True)
-    exact = _big_batch_grad(params, batches)
-    opt = _ternary_opt(clip_sigma=None)
-    step = jax.jit(_weighted_step(opt))
-    state0 = jax.jit(opt.init)(params)
-    seeds = 96
-    samples = {name: [] for name in exact}
-    for seed in range(seeds):
-        # One program for every seed: the seed is state, not configuration.
-        state = state0._replace(reduction_state=jnp.array([seed, 0], jnp.uint32))
-        for batch in batches:
-            updates, state = step(params, state, *_place(batch))
-        for name in exact:
-            samples[name].append(-np.asarray(updates[name]))
-    _assert_unbiased(samples, exact, shrink=4)
+    """The window reduction's seed is its state's counter: 96 seeds."""
+    _assert_unbiased_over_seeds(
+        _ternary_opt(clip_sigma=None),
+        lambda state0, seed: state0._replace(
+            reduction_state=jnp.array([seed, 0], jnp.uint32)
+        ),
+        seeds=96,
+        shrink=4,
+    )
 
 
 def test_ternary_window_state_checkpoints_and_draws_the_same_bits(mesh):
@@ -669,12 +687,7 @@ def _per_device_ternary(seed=0, clip_sigma=None, min_size=TERNARY_MIN_SIZE):
 
 def test_per_device_ternary_windows_reduce_once_inside_the_emission_loop(any_mesh):
     opt = _per_device_ternary()
-    params = jax.device_put(_params(), P())
-    state = jax.jit(opt.init)(params)
-    args = _place(_micro_batches([16], masked=True)[0])
-    ops = all_reduces(
-        jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
-    )
+    ops = _weighted_step_all_reduces(opt)
     # No collective on a micro-step; at the emission the decoded float32
     # sums of the three leaves and the weight, in one fused all-reduce.
     assert [(op.place, op.operands, op.nbytes) for op in ops] == [
@@ -719,66 +732,23 @@ def test_per_device_ternary_update_is_identical_on_every_device(any_mesh):
     batches = _micro_batches([16, 32, 8], masked=True)
     updates, state = _run_window(step, jax.jit(opt.init)(params), batches)
     assert bool(opt.has_updated(state))
-    for name, leaf in updates.items():
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        assert len(shards) == N_DEVICES
-        assert all(s.shape == leaf.shape for s in shards), name
-        for shard in shards[1:]:
-            np.testing.assert_array_equal(shard, shards[0], err_msg=name)
+    _assert_replicated_bitwise(updates)
     exact = _big_batch_grad(params, batches)
     np.testing.assert_allclose(-np.asarray(updates["b"]), exact["b"], atol=1e-6)
     assert not np.allclose(-np.asarray(updates["w1"]), exact["w1"], atol=1e-3)
 
 
 def test_per_device_ternary_window_is_unbiased_over_seeds(any_mesh):
-    """Without clipping the emitted gradient's mean over 32 seeds is the
-    exact big-batch gradient, within 6 standard errors per element."""
+    """The seed is in each device's window key: 32 seeds."""
     params = jax.device_put(_params(), P())
-    batches = _micro_batches([16, 32, 8], masked=True)
-    exact = _big_batch_grad(params, batches)
-    opt = _per_device_ternary(clip_sigma=None)
-    step = jax.jit(_weighted_step(opt))
-    state0 = jax.jit(opt.init)(params)
-    seeds = 32
-    samples = {name: [] for name in exact}
-    for seed in range(seeds):
-        # One program for every seed: the seed is in the per-device keys.
-        seeded = jax.jit(_per_device_ternary(seed=seed, clip_sigma=None).init)(params)
-        state = state0._replace(acc_grads=seeded.acc_grads)
-        for batch in batches:
-            updates, state = step(params, state, *_place(batch))
-        for name in exact:
-            samples[name].append(-np.asarray(updates[name]))
-    _assert_unbiased(samples, exact, shrink=3)
 
+    def seeded(state0, seed):
+        init = _per_device_ternary(seed=seed, clip_sigma=None).init
+        return state0._replace(acc_grads=jax.jit(init)(params).acc_grads)
 
-def test_per_device_windows_flush_reset_and_stats(any_mesh):
-    """With every leaf below ``min_size`` each device's window is an exact
-    float32 sum: the plumbing (per-device add, decode, one reduction) must
-    then give the big-batch gradient exactly."""
-    opt = _per_device_ternary(min_size=10**6)
-    params = jax.device_put(_params(), P())
-    state = jax.jit(opt.init)(params)
-    step = jax.jit(_weighted_step(opt))
-    _, state = step(params, state, *_place(_micro_batches([16], True, seed=9)[0]))
-    state = jax.jit(opt.reset)(state)
-    assert int(jax.jit(opt.stats)(state).window_fill) == 0
-    batches = _micro_batches([16, 24], masked=True)
-    for batch in batches:
-        _, state = step(params, state, *_place(batch))
-    assert not bool(opt.has_updated(state))
-    stats = jax.jit(opt.stats)(state)
-    assert int(stats.window_fill) == 2
-    assert float(stats.window_weight) == sum(float(b[2].sum()) for b in batches)
-    updates, state = jax.jit(opt.flush)(state, params)
-    assert bool(opt.has_updated(state))
-    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
-    assert float(jax.jit(opt.stats)(state).window_weight) == 0.0
-    batches = _micro_batches([16, 32, 8], masked=True, seed=2)
-    for batch in batches:
-        updates, state = step(params, state, *_place(batch))
-    assert bool(opt.has_updated(state))
-    assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
+    _assert_unbiased_over_seeds(
+        _per_device_ternary(clip_sigma=None), seeded, seeds=32, shrink=3
+    )
 
 
 def test_per_device_ternary_state_checkpoints_and_draws_the_same_bits(any_mesh):
