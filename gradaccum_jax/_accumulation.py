@@ -282,10 +282,10 @@ class MultiSteps:
             `reduce_window` (for checkpoints) always sums exactly.
           track_noise_scale: estimate the gradient noise scale from the
             micro-batch and window gradient norms (McCandlish et al. 2018,
-            see `stats`): one fused squared norm per micro-step, one per
-            emission. Under pmap / shard_map with an averaging inner chain
-            the window is the device's own, so the estimate is the
-            device-local one (batch sizes of one device). With
+            see `stats`): one squared norm of the gradients per micro-step,
+            one of the window per emission. Under pmap / shard_map with an
+            averaging inner chain the window is the device's own, so the
+            estimate is the device-local one (batch sizes of one device). With
             ``unreduced_axes`` each device's gradient of each micro-batch
             is a small batch of its own: every device keeps its own terms
             of the sums (no collective on a micro-step), which join the
@@ -461,7 +461,7 @@ class MultiSteps:
                     state.noise, updates, weight, self._unreduced_axes
                 )
             )
-        elif self._track_noise:  # fuses into the add's pass over the gradients
+        elif self._track_noise:  # no dependency on the add: siblings may fuse
             state = state._replace(noise=_noise_scale.add(state.noise, updates, weight))
         fills_window = accept if not self._count_skipped else jnp.asarray(True)
         mini_step = state.mini_step + fills_window.astype(jnp.int32)

@@ -125,8 +125,12 @@ def add(state: NoiseScaleState, grads: Any, weight: jax.Array) -> NoiseScaleStat
     """Adds micro-batch ``grads`` of ``weight`` to ``A`` and ``k``.
 
     The squared norm reads the gradients the window's add reads, in the same
-    jitted step, so XLA fuses the two. A zero weight adds nothing, not even
-    a NaN of its (skipped) gradients: a select, not a multiply.
+    jitted step and with no data dependency between the two, so a compiler
+    that fuses a reduction with its elementwise siblings reads them once.
+    XLA:CPU does not (its multi-output fusion only merges loops of one
+    output shape): there the norm is a second read of the gradients. A
+    zero weight adds nothing, not even a NaN of its (skipped) gradients: a
+    select, not a multiply.
     """
     has_weight = weight != 0
     term = jnp.where(has_weight, weight * sq_norm(grads), 0.0)
