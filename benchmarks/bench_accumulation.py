@@ -7,8 +7,14 @@ emitting step and of a whole window, and the compiled temporary bytes
 (``memory_analysis().temp_size_in_bytes``). The floor is a donated
 ``acc += g`` over the same params: the least any accumulator can do. The
 same wrapper with ``track_noise_scale=True`` runs alongside: the gradient
-noise scale's statistics (one fused squared norm per micro-step, one per
-emission) should cost at most 5% of the micro-step.
+noise scale's statistics (one squared norm of the gradients per micro-step,
+one of the window per emission; the target is at most 5% of the micro-step,
+which needs the norm fused into the add's pass: XLA:CPU reads the gradients
+twice).
+
+A last table times ``update`` called eagerly, without ``jax.jit``, at a
+small size: optax's MultiSteps traces and compiles its ``lax.cond`` anew on
+every call; ours branches in Python when nothing is traced.
 
 ``--sweep-params`` repeats the measurement at several parameter counts and
 ``--sweep-k`` at several window lengths (same code path, one row per point);
@@ -102,6 +108,9 @@ def summarize(times: list[float], k: int) -> tuple[float, float, float]:
 
 
 TRACKED = "gradaccum_jax.MultiSteps, track_noise_scale"
+# Eager calls are dominated by dispatch and compilation, not by memory
+# traffic: a small model shows that cost, a large one would hide it.
+EAGER_PARAMS = 100_000
 IMPLEMENTATIONS = ("optax.MultiSteps", "gradaccum_jax.MultiSteps", TRACKED)
 
 
@@ -181,6 +190,45 @@ def print_point(num_params: int, k: int, point: dict[str, dict]) -> None:
     )
 
 
+def measure_eager(num_params: int, k: int, windows: int) -> dict[str, float]:
+    """Median seconds per ``update`` call without ``jax.jit``, as in an
+    optax-style loop written eagerly (debugging, a notebook cell).
+
+    Returns ``{name: seconds}`` for optax's and our MultiSteps (adam inside);
+    both run one window first, which compiles each eager op once.
+    """
+    params = make_params(num_params)
+    grads = make_grads(params)
+    contenders = {
+        name: [tx, tx.init(params), []]
+        for name, tx in (
+            ("optax.MultiSteps", optax.MultiSteps(optax.adam(1e-3), k)),
+            ("gradaccum_jax.MultiSteps", gradaccum_jax.MultiSteps(optax.adam(1e-3), k)),
+        )
+    }
+    for window in range(windows + 1):
+        for contender in contenders.values():
+            tx, state, times = contender
+            for _ in range(k):
+                start = time.perf_counter()
+                updates, state = tx.update(grads, state, params)
+                jax.block_until_ready(updates)
+                if window:  # the first window is the warm-up
+                    times.append(time.perf_counter() - start)
+            contender[1] = state
+    return {name: statistics.median(c[2]) for name, c in contenders.items()}
+
+
+def print_eager(num_params: int, k: int, eager: dict[str, float]) -> None:
+    print(f"\n## eager `update` (no jax.jit), {num_params / 1e6:g}M params, k={k}\n")
+    print("| implementation | ms per call (median) |")
+    print("|---|---:|")
+    for name, seconds in eager.items():
+        print(f"| {name} | {seconds * 1e3:.1f} |")
+    ratio = eager["gradaccum_jax.MultiSteps"] / eager["optax.MultiSteps"]
+    print(f"\nours / optax, eager: {ratio:.3f}")
+
+
 def counts(text: str) -> list[int]:
     """``"1e6,4e6"`` -> ``[1000000, 4000000]``."""
     return [int(float(item)) for item in text.split(",") if item]
@@ -233,6 +281,9 @@ def main() -> None:
         for k in args.sweep_k
     ]
 
+    eager = measure_eager(EAGER_PARAMS, args.k, windows=2)
+    print_eager(EAGER_PARAMS, args.k, eager)
+
     ours, ref = head["gradaccum_jax.MultiSteps"], head["optax.MultiSteps"]
     floor, tracked = head["floor"], head[TRACKED]
     _headline.write(
@@ -255,6 +306,10 @@ def main() -> None:
             "micro-step, noise scale tracked / not": (
                 tracked["micro_s"] / ours["micro_s"],
                 1.05,
+            ),
+            "eager update call, ours / optax.MultiSteps": (
+                eager["gradaccum_jax.MultiSteps"] / eager["optax.MultiSteps"],
+                1.0,
             ),
         },
         data={"sweep_params": sweep_params, "sweep_k": sweep_k},
