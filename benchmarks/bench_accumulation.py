@@ -108,6 +108,9 @@ def summarize(times: list[float], k: int) -> tuple[float, float, float]:
 
 
 TRACKED = "gradaccum_jax.MultiSteps, track_noise_scale"
+# At k=2 five windows hold five non-emitting micro-steps: too few for a
+# median on a shared machine.
+MIN_MICRO_SAMPLES = 24
 # Eager calls are dominated by dispatch and compilation, not by memory
 # traffic: a small model shows that cost, a large one would hide it.
 EAGER_PARAMS = 100_000
@@ -119,7 +122,14 @@ def measure_point(num_params: int, k: int, windows: int) -> dict[str, dict]:
 
     Returns ``{name: {"micro_s", "emit_s", "window_s", "temp_bytes"}}`` for
     the two implementations, and ``{"micro_s", "temp_bytes"}`` for "floor".
+    Short windows get more of them, so that every median of non-emitting
+    micro-steps has at least `MIN_MICRO_SAMPLES` samples.
     """
+    if k < 2:
+        raise ValueError(
+            f"`k` must be at least 2 (a window with a micro-step), got {k}."
+        )
+    windows = max(windows, -(-MIN_MICRO_SAMPLES // (k - 1)))
     params = make_params(num_params)
     grads = make_grads(params)
     inner = optax.adam(1e-3)
@@ -261,7 +271,8 @@ def main() -> None:
         f"# accumulation: {jax.devices()[0].platform} "
         f"({platform.processor() or platform.machine()}, "
         f"{jax.device_count()} device(s)), jax {jax.__version__}, "
-        f"optax {optax.__version__}; median of {args.windows} windows"
+        f"optax {optax.__version__}; medians of at least {args.windows} windows "
+        f"and {MIN_MICRO_SAMPLES} non-emitting micro-steps"
     )
 
     points: dict[tuple[int, int], dict] = {}
