@@ -204,29 +204,28 @@ def measure_eager(num_params: int, k: int, windows: int) -> dict[str, float]:
     """Median seconds per ``update`` call without ``jax.jit``, as in an
     optax-style loop written eagerly (debugging, a notebook cell).
 
-    Returns ``{name: seconds}`` for optax's and our MultiSteps (adam inside);
-    both run one window first, which compiles each eager op once.
+    Returns ``{name: seconds}`` for optax's and our MultiSteps (adam inside),
+    timed by `measure` like the jitted steps (its warm-up windows compile
+    each eager op once).
     """
+
+    def eager_step(tx):
+        def step(params, state, grads):
+            return params, tx.update(grads, state, params)[1]
+
+        return step
+
     params = make_params(num_params)
     grads = make_grads(params)
     contenders = {
-        name: [tx, tx.init(params), []]
+        name: Contender(eager_step(tx), (params, tx.init(params)), grads)
         for name, tx in (
             ("optax.MultiSteps", optax.MultiSteps(optax.adam(1e-3), k)),
             ("gradaccum_jax.MultiSteps", gradaccum_jax.MultiSteps(optax.adam(1e-3), k)),
         )
     }
-    for window in range(windows + 1):
-        for contender in contenders.values():
-            tx, state, times = contender
-            for _ in range(k):
-                start = time.perf_counter()
-                updates, state = tx.update(grads, state, params)
-                jax.block_until_ready(updates)
-                if window:  # the first window is the warm-up
-                    times.append(time.perf_counter() - start)
-            contender[1] = state
-    return {name: statistics.median(c[2]) for name, c in contenders.items()}
+    measure(contenders, k, windows)
+    return {name: statistics.median(c.times) for name, c in contenders.items()}
 
 
 def print_eager(num_params: int, k: int, eager: dict[str, float]) -> None:

@@ -335,14 +335,20 @@ def test_average_is_unbiased_without_clipping():
 
 
 def test_packed_codes_sum_exactly_for_any_number_of_devices():
-    for num_devices in (8, 128):
-        codes = jax.random.randint(
-            jax.random.key(num_devices), (num_devices, 257), -1, 2
-        ).astype(jnp.int8)
+    # 32768 devices leave no room for two base-65537 digits: plain int32 sums.
+    for num_devices in (8, 128, 32768):
+        keys = jax.random.split(jax.random.key(num_devices))
+        leaves = [
+            jax.random.randint(key, (num_devices, *shape), -1, 2).astype(jnp.int8)
+            for key, shape in zip(keys, [(257,), (3, 5)], strict=True)
+        ]
         sums = jax.vmap(
-            lambda c, n=num_devices: _device_mean.packed_psum(c, "i", n), axis_name="i"
-        )(codes)
-        np.testing.assert_array_equal(sums[0], codes.astype(jnp.int32).sum(0))
+            lambda *c, n=num_devices: _device_mean.packed_psum(list(c), "i", n),
+            axis_name="i",
+        )(*leaves)
+        for leaf, leaf_sums in zip(leaves, sums, strict=True):
+            assert leaf_sums.shape == leaf.shape and leaf_sums.dtype == jnp.int32
+            np.testing.assert_array_equal(leaf_sums[0], leaf.astype(jnp.int32).sum(0))
 
 
 @pytest.mark.parametrize(
@@ -359,7 +365,7 @@ def test_packed_codes_of_any_shape_come_back_in_place(shape, words):
     codes = codes.astype(jnp.int8)
     assert _device_mean.pack_codes(codes[0], NUM_DEVICES).shape == (words,)
     sums = jax.vmap(
-        lambda c: _device_mean.packed_psum(c, "i", NUM_DEVICES), axis_name="i"
+        lambda c: _device_mean.packed_psum([c], "i", NUM_DEVICES)[0], axis_name="i"
     )(codes)
     assert sums.shape == codes.shape and sums.dtype == jnp.int32
     np.testing.assert_array_equal(sums[3], codes.astype(jnp.int32).sum(0))
@@ -617,7 +623,7 @@ def test_packed_psum_digits_per_word_and_extremes():
         for fill in (-1, 1):  # every digit at its extreme: no carry, no borrow
             codes = jnp.full((num_devices, 29), fill, jnp.int8)
             sums = jax.vmap(
-                lambda c, n=num_devices: _device_mean.packed_psum(c, "i", n),
+                lambda c, n=num_devices: _device_mean.packed_psum([c], "i", n)[0],
                 axis_name="i",
             )(codes)
             np.testing.assert_array_equal(sums, fill * num_devices)
