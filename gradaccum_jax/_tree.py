@@ -72,10 +72,35 @@ def unreduced_zeros(leaf: Any, axes: frozenset[str]) -> jax.Array:
     return jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf), out_sharding=spec)
 
 
-def zeros_like(leaf: jax.Array) -> jax.Array:
-    """``jnp.zeros_like`` that also works eagerly on unreduced arrays."""
+def zeros_like(leaf: Any, dtype: Any = None) -> jax.Array:
+    """Zeros of ``leaf``'s shape and type: the one way to build them here.
+
+    Keeps everything the type says about where the value lies, which
+    ``jnp.zeros(shape)`` drops: the explicit-sharding partitions (an FSDP
+    ``f32[64@data,8]`` gives ``f32[64@data,8]``, not a replicated array a
+    loop carry or a ``select`` would reject), the unreduced axes, and inside
+    ``shard_map`` the axes it varies over. ``dtype`` replaces the dtype only.
+    Accepts an array, a tracer or a ``jax.ShapeDtypeStruct`` (as
+    ``jax.eval_shape`` returns it, with its sharding); works eagerly too.
+    """
+    dtype = jnp.result_type(leaf) if dtype is None else jnp.dtype(dtype)
     axes = unreduced_axes(leaf)
-    return unreduced_zeros(leaf, axes) if axes else jnp.zeros_like(leaf)
+    if axes:
+        spec = jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes))
+        zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=spec)
+    elif any(part is not None for part in partitions(leaf)):
+        zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=_sharding(leaf))
+    else:
+        zeros = jnp.zeros(jnp.shape(leaf), dtype)
+    return vary_over(zeros, varying_axes(leaf))
+
+
+def _sharding(leaf: Any) -> Any:
+    """The sharding of ``leaf``: concrete for an array, abstract for a tracer."""
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+        return leaf.sharding
+    aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
+    return aval.sharding
 
 
 def as_unreduced(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
