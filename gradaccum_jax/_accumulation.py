@@ -969,7 +969,7 @@ def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
     """
     if leaf is not None and _same_layout(leaf, shape):
         return leaf
-    return jnp.zeros(shape.shape, shape.dtype)
+    return _tree.zeros_like(shape)
 
 
 def _window_has_weight(acc_weight: jax.Array) -> jax.Array:

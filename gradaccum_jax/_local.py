@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _partials, _tree
 from gradaccum_jax._tree import vary_over
 
 
@@ -117,9 +117,6 @@ def local_value_and_grad(
         # device: mark it varying first, as a per-device term must be.
         return jax.tree.map(lambda x: vary_over(x, frozenset({axis_name})), out)
 
-    def unreduced(params, *batch):
-        return jax.lax.pcast(local(params, *batch), axis_name, to="unreduced")
-
     def stacked(params, *batch):
         return jax.tree.map(lambda x: x[None], local(params, *batch))
 
@@ -131,16 +128,24 @@ def local_value_and_grad(
                 f"current mesh {mesh.axis_names}: call it under "
                 "jax.set_mesh(mesh)."
             )
+        _partials.check_not_sharded_over(
+            params, frozenset({axis_name}), "local_value_and_grad: param"
+        )
+        # Manual over the data axis only: the other axes (a 2-D mesh's
+        # ``model``) stay in the compiler's hands inside, so tensor-parallel
+        # params keep their sharding and the loss needs no collective of its
+        # own. The terms come out stacked on a leading device axis.
+        terms = jax.shard_map(
+            stacked,
+            in_specs=(P(), *(P(axis_name) for _ in batch)),
+            out_specs=P(axis_name),
+            axis_names={axis_name},
+        )(params, *batch)
         # One device: its term is stacked (see `_partials.is_stacked`).
         explicit = (
             mesh._name_to_type[axis_name] == AxisType.Explicit
             and mesh.shape[axis_name] > 1
         )
-        mapped = jax.shard_map(
-            unreduced if explicit else stacked,
-            in_specs=(P(), *(P(axis_name) for _ in batch)),
-            out_specs=P(unreduced={axis_name}) if explicit else P(axis_name),
-        )
-        return mapped(params, *batch)
+        return _tree.stacked_as_unreduced(terms, axis_name) if explicit else terms
 
     return value_and_grad

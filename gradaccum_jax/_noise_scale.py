@@ -114,9 +114,9 @@ def init(unreduced_axes: frozenset[str] = frozenset()) -> NoiseScaleState:
 
 
 def sq_norm(tree: Any) -> jax.Array:
-    """``sum |x|^2`` over every leaf, in float32."""
+    """``sum |x|^2`` over every leaf, in float32 (the squared modulus if complex)."""
     return sum(
-        (jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
+        (jnp.sum(_tree.squared_modulus(x)) for x in jax.tree.leaves(tree)),
         jnp.zeros([], jnp.float32),
     )
 

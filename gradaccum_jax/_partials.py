@@ -56,6 +56,27 @@ def is_stacked(axes: frozenset[str]) -> bool:
     return True
 
 
+def check_not_sharded_over(params: Any, axes: frozenset[str], what: str) -> None:
+    """Raises if a param is sharded over an axis its gradient is a sum over.
+
+    With FSDP (``P("data", None)``) a device holds a slice of the param, but
+    its term of the gradient would be the whole gradient: per-device terms
+    cannot be kept sharded over the same axis. ``jax.grad`` there
+    reduce-scatters the gradient, which an accumulator sums as it is.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shared = sorted(axes & _tree.mesh_axes_of(leaf))
+        if shared:
+            raise ValueError(
+                f"{what} {jax.tree_util.keystr(path)} ({jax.typeof(leaf)}) is "
+                f"sharded over the mesh axis {shared[0]!r}, over which its "
+                "gradient would be kept as per-device terms: each device's "
+                "term would be the whole gradient. With FSDP params take the "
+                "gradients with jax.value_and_grad (reduce-scattered) and "
+                "accumulate them without `unreduced_axes`."
+            )
+
+
 def _stack_axis(axes: frozenset[str]) -> tuple[str, int]:
     (name,) = axes
     return name, jax.sharding.get_abstract_mesh().shape[name]

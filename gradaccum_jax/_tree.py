@@ -88,19 +88,41 @@ def zeros_like(leaf: Any, dtype: Any = None) -> jax.Array:
     if axes:
         spec = jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes))
         zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=spec)
+    elif not isinstance(leaf, jax.ShapeDtypeStruct):
+        # An array keeps its sharding (an Auto mesh's too); a tracer its type.
+        zeros = jnp.zeros_like(leaf, dtype)
     elif any(part is not None for part in partitions(leaf)):
-        zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=_sharding(leaf))
+        zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=leaf.sharding)
     else:
         zeros = jnp.zeros(jnp.shape(leaf), dtype)
     return vary_over(zeros, varying_axes(leaf))
 
 
-def _sharding(leaf: Any) -> Any:
-    """The sharding of ``leaf``: concrete for an array, abstract for a tracer."""
-    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-        return leaf.sharding
-    aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
-    return aval.sharding
+def squared_modulus(x: jax.Array) -> jax.Array:
+    """``|x|^2`` element-wise in float32: real for complex ``x`` too.
+
+    ``x.astype(float32)`` would drop a complex leaf's imaginary part (with
+    only a ComplexWarning to say so).
+    """
+    if jnp.iscomplexobj(x):
+        return jnp.square(x.real.astype(jnp.float32)) + jnp.square(
+            x.imag.astype(jnp.float32)
+        )
+    return jnp.square(x.astype(jnp.float32))
+
+
+def accumulation_dtype(leaf: Any, dtype: Any) -> jnp.dtype:
+    """The dtype in which a sum of ``leaf``-like values is kept.
+
+    ``dtype`` (the ``accumulator_dtype``, real) for a real leaf; for a
+    complex leaf, the complex dtype with at least ``dtype``'s precision
+    (complex64 for float32 and narrower, there is no complex bfloat16),
+    so the imaginary part is kept.
+    """
+    dtype = jnp.dtype(dtype)
+    if not jnp.iscomplexobj(leaf):
+        return dtype
+    return jnp.promote_types(dtype, jnp.complex64)
 
 
 def as_unreduced(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
@@ -131,13 +153,46 @@ def as_unreduced(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
             x = jnp.where(first, x, jnp.zeros_like(x))
         return jax.lax.pcast(x, names, to="unreduced")
 
+    # Manual over every mesh axis, not only ``axes``: JAX accepts unreduced
+    # out_specs only in full manual mode. Over the other axes (a 2-D mesh's
+    # ``model``) each device keeps its own block, as the partitions say.
     spec = jax.sharding.PartitionSpec(*partitions(leaf))
     return jax.shard_map(
         first_device_only,
         in_specs=spec,
         out_specs=jax.sharding.PartitionSpec(*partitions(leaf), unreduced=set(axes)),
-        axis_names=set(axes),
     )(leaf)
+
+
+def stacked_as_unreduced(tree: Any, axis: str) -> Any:
+    """Per-device terms stacked on a leading axis, as unreduced arrays.
+
+    ``tree``'s leaves have a leading axis of the size of mesh ``axis``,
+    sharded over it: row ``d`` is device ``d``'s term. Each comes out
+    shaped without it, unreduced over ``axis``, with its other partitions
+    (a tensor-parallel ``model`` axis) kept. No data moves: each device
+    reinterprets its own row. (Manual over every mesh axis because JAX
+    accepts unreduced out_specs only in full manual mode.)
+    """
+
+    def as_term(leaf):
+        rest = partitions(leaf)[1:]
+        return jax.shard_map(
+            lambda x: jax.lax.pcast(x[0], (axis,), to="unreduced"),
+            in_specs=jax.sharding.PartitionSpec(axis, *rest),
+            out_specs=jax.sharding.PartitionSpec(*rest, unreduced={axis}),
+        )(leaf)
+
+    return jax.tree.map(as_term, tree)
+
+
+def mesh_axes_of(leaf: Any) -> frozenset[str]:
+    """The mesh axes ``leaf``'s explicit partitions shard it over."""
+    axes: set[str] = set()
+    for part in partitions(leaf):
+        if part is not None:
+            axes |= {part} if isinstance(part, str) else set(part)
+    return frozenset(axes)
 
 
 def reduce_unreduced(tree: Any) -> Any:

@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
@@ -90,6 +89,7 @@ def per_device_accumulator(
     """
 
     def init(params):
+        _partials.check_not_sharded_over(params, axes, "Param")
         local = accumulator.init(params)
         (axis,) = axes
         devices = jnp.arange(jax.sharding.get_abstract_mesh().shape[axis])
@@ -189,9 +189,10 @@ def float_accumulator(
         return _running_mean_accumulator(dtype)
 
     def init(params):
-        zeros = optax.tree.zeros_like(params, dtype=dtype)
+        zeros = _zeros_in(params, dtype)
         if not axes:
             return zeros
+        _partials.check_not_sharded_over(params, axes, "Param")
         return jax.tree.map(lambda leaf: _partials.zeros(leaf, axes), zeros)
 
     def add(acc, grads, weight):
@@ -210,7 +211,7 @@ def float_accumulator(
                 _check_stacked(path, a, g)
             else:
                 _check_unreduced(path, a, g, weighted)
-            g = g.astype(dtype)
+            g = g.astype(a.dtype)
             if weighted:
                 return a + g
             g_axes = _tree.unreduced_axes(g)
@@ -261,9 +262,7 @@ def _running_mean_accumulator(dtype: jnp.dtype) -> WindowAccumulator:
     """
 
     def init(params):
-        return RunningMean(
-            optax.tree.zeros_like(params, dtype=dtype), jnp.zeros([], jnp.float32)
-        )
+        return RunningMean(_zeros_in(params, dtype), jnp.zeros([], jnp.float32))
 
     def add(acc, grads, weight):
         _checks.same_structure(
@@ -277,16 +276,20 @@ def _running_mean_accumulator(dtype: jnp.dtype) -> WindowAccumulator:
         share, _ = _weights.share(weight, total)
 
         def step(m, g):
-            m32 = m.astype(jnp.float32)
-            new = m32 + share * (g.astype(jnp.float32) - m32)
+            wide = jnp.promote_types(m.dtype, jnp.float32)  # complex stays so
+            m32 = m.astype(wide)
+            new = m32 + share * (g.astype(wide) - m32)
             # As in the sum: a select, so a zero weight drops NaN gradients.
-            return jnp.where(weight != 0, new.astype(dtype), m)
+            return jnp.where(weight != 0, new.astype(m.dtype), m)
 
         return RunningMean(jax.tree.map(step, acc.mean, grads), total)
 
     def total(acc):
         # The sum in float32: in dtype it would overflow (float16).
-        return jax.tree.map(lambda m: m.astype(jnp.float32) * acc.weight, acc.mean)
+        return jax.tree.map(
+            lambda m: m.astype(jnp.promote_types(m.dtype, jnp.float32)) * acc.weight,
+            acc.mean,
+        )
 
     def reset(acc):
         return RunningMean(
@@ -294,6 +297,16 @@ def _running_mean_accumulator(dtype: jnp.dtype) -> WindowAccumulator:
         )
 
     return WindowAccumulator(init, add, total, reset)
+
+
+def _zeros_in(params: Any, dtype: jnp.dtype) -> Any:
+    """An empty window: zeros like ``params`` (their sharding too) in ``dtype``.
+
+    Complex params get a complex window of ``dtype``'s precision.
+    """
+    return jax.tree.map(
+        lambda p: _tree.zeros_like(p, _tree.accumulation_dtype(p, dtype)), params
+    )
 
 
 def _check_stacked(path: Any, acc: Any, grad: Any) -> None:

@@ -1,0 +1,342 @@
+"""Every transformation on the layouts users run, against one device.
+
+A cell is a mesh layout x a param dtype x a transformation. The layouts: a
+1-D Explicit and a 1-D Auto ``data`` mesh with replicated params, and a 2-D
+Explicit ``data`` x ``model`` mesh with replicated, FSDP-sharded
+(``P("data", None)``) and tensor-parallel (``P(None, "model")``) params;
+float32 and bfloat16 params. Each cell runs a few jitted steps of one
+transformation and checks that
+
+* the results equal the same steps on plain, unsharded arrays (exactly where
+  the inputs are the same bits, to a tolerance where a collective sums in
+  another order), in the params' dtypes;
+* on an Explicit mesh, updates come back sharded like the params (the types
+  say so, with no resharding on the way).
+
+One small model; each cell compiles its step once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+
+K = 2  # micro-batches per window
+
+
+class Layout(NamedTuple):
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    axis_type: AxisType
+    specs: dict[str, P]  # the params' partitions
+
+    @property
+    def explicit(self) -> bool:
+        return self.axis_type == AxisType.Explicit
+
+    def mesh(self) -> jax.sharding.Mesh:
+        return jax.make_mesh(
+            self.shape, self.axes, axis_types=(self.axis_type,) * len(self.axes)
+        )
+
+    @property
+    def shards_params_over_data(self) -> bool:
+        return any("data" in spec for spec in self.specs.values())
+
+
+REPLICATED = {"w1": P(), "b1": P(), "w2": P()}
+LAYOUTS = {
+    "1d-explicit": Layout((8,), ("data",), AxisType.Explicit, REPLICATED),
+    "1d-auto": Layout((8,), ("data",), AxisType.Auto, REPLICATED),
+    "2d-replicated": Layout((4, 2), ("data", "model"), AxisType.Explicit, REPLICATED),
+    "2d-fsdp": Layout(
+        (4, 2),
+        ("data", "model"),
+        AxisType.Explicit,
+        {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)},
+    ),
+    # Megatron's split: the first layer by columns, the second by rows.
+    "2d-tp": Layout(
+        (4, 2),
+        ("data", "model"),
+        AxisType.Explicit,
+        {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)},
+    ),
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _params(dtype) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(0)
+    return {
+        "w1": (rs.randn(16, 8) * 0.3).astype(dtype),
+        "b1": (rs.randn(8) * 0.1).astype(dtype),
+        "w2": (rs.randn(8, 4) * 0.3).astype(dtype),
+    }
+
+
+def _grads(dtype, n: int) -> list[dict[str, np.ndarray]]:
+    """``n`` micro-batches of gradients, some entries large (so clips bite)."""
+    rs = np.random.RandomState(1)
+    return [
+        {
+            name: (rs.standard_t(3, p.shape) * 0.2).astype(dtype)
+            for name, p in _params(dtype).items()
+        }
+        for _ in range(n)
+    ]
+
+
+def _batches(n: int) -> list[dict[str, np.ndarray]]:
+    """``n`` batches of 32 examples, each with a mask of valid ones."""
+    rs = np.random.RandomState(2)
+    return [
+        {
+            "x": rs.randn(32, 16).astype(np.float32),
+            "y": rs.randn(32, 4).astype(np.float32),
+            "mask": (rs.rand(32) < 0.7).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def _matmul(a, b):
+    """``a @ b``; on an Explicit mesh, sharded like ``a``'s rows.
+
+    Tensor parallelism's second matmul contracts over ``model`` on both
+    sides, and JAX asks for the output sharding there, as a user must.
+    """
+    spec = jax.typeof(a).sharding.spec
+    if AxisType.Explicit not in jax.sharding.get_abstract_mesh().axis_types:
+        return a @ b
+    return jnp.matmul(a, b, out_sharding=P(*spec[:-1], None))
+
+
+def _errors(params, batch):
+    hidden = jnp.tanh(_matmul(batch["x"].astype(params["w1"].dtype), params["w1"]))
+    pred = _matmul(hidden + params["b1"], params["w2"])
+    return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2, axis=-1)
+
+
+def _masked_loss(params, batch):
+    """The masked mean loss and the number of valid examples."""
+    count = jnp.sum(batch["mask"])
+    return jnp.sum(batch["mask"] * _errors(params, batch)) / jnp.maximum(
+        count, 1.0
+    ), count
+
+
+def _mean_loss(params, batch):
+    return jnp.mean(_errors(params, batch))
+
+
+# --- the transformations, each run as its user would -----------------------
+
+
+def _place(tree, specs, layout):
+    """``tree`` on the mesh with ``specs`` (None: plain, unsharded arrays)."""
+    if layout is None:
+        return jax.tree.map(jnp.asarray, tree)
+    return jax.tree.map(lambda x, spec: jax.device_put(x, spec), tree, specs)
+
+
+def _batch_specs(batch):
+    return {name: P("data") for name in batch}
+
+
+def _run_updates(tx, params, grads_seq, layout, *, flush: bool = False):
+    """The updates of ``tx`` on fixed gradients, step by step, then a flush."""
+    params = _place(params, layout and layout.specs, layout)
+    state = jax.jit(tx.init)(params)
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    outputs = []
+    for grads in grads_seq:
+        updates, state = step(
+            _place(grads, layout and layout.specs, layout), state, params
+        )
+        outputs.append(jax.block_until_ready(updates))
+    if flush:
+        updates, state = jax.jit(tx.flush)(state, params)
+        outputs.append(jax.block_until_ready(updates))
+    return outputs, state
+
+
+def multisteps(params, layout):
+    tx = ga.MultiSteps(optax.adam(1e-2), K, track_noise_scale=True)
+    outputs, state = _run_updates(
+        tx, params, _grads(params["w1"].dtype, 3), layout, flush=True
+    )
+    stats = tx.stats(state)
+    return outputs, (stats.window_fill, stats.gradient_steps)
+
+
+def accumulate_in_chain(params, layout):
+    tx = optax.chain(
+        ga.clip_by_global_norm(1.0), ga.accumulate(optax.sgd(0.5), K), ga.clip(0.05)
+    )
+    return _run_updates(tx, params, _grads(params["w1"].dtype, 2 * K), layout)[0], ()
+
+
+def low_precision_window(params, layout):
+    """A bfloat16 window (a running mean) for params of any dtype."""
+    tx = ga.MultiSteps(optax.sgd(1.0), K, accumulator_dtype=jnp.bfloat16)
+    return _run_updates(
+        tx, params, _grads(params["w1"].dtype, K + 1), layout, flush=True
+    )[0], ()
+
+
+def ternary_accumulate(params, layout):
+    tx = ga.ternary_accumulate(optax.sgd(1.0), K, seed=3)
+    return _run_updates(
+        tx, params, _grads(params["w1"].dtype, K + 1), layout, flush=True
+    )[0], ()
+
+
+def ternarize(params, layout):
+    tx = optax.chain(ga.ternarize(5, min_size=64), optax.sgd(1.0))
+    return _run_updates(tx, params, _grads(params["w1"].dtype, 2), layout)[0], ()
+
+
+def microbatched(params, layout):
+    grad_fn = ga.microbatched_value_and_grad(_masked_loss, 4, has_aux=True)
+    batch = _batches(1)[0]
+    params = _place(params, layout and layout.specs, layout)
+    batch = _place(batch, _batch_specs(batch), layout)
+    (loss, count), grads = jax.jit(grad_fn)(params, batch)
+    return [grads], (loss, count)
+
+
+def _unreduced_run(params, layout, weighted: bool):
+    """MultiSteps reducing the window once, from per-device gradients."""
+    if layout is None:  # the reference: each window's big-batch gradient
+        tx = ga.MultiSteps(optax.sgd(1.0), K)
+        loss = _masked_loss if weighted else _mean_loss
+
+        def step(params, state, batch):
+            grads = jax.grad(
+                lambda p: loss(p, batch)[0] if weighted else loss(p, batch)
+            )(params)
+            weight = jnp.sum(batch["mask"]) if weighted else None
+            return tx.update(grads, state, params, weight=weight)
+
+    else:
+        tx = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+        if weighted:
+            grad_fn = ga.local_value_and_grad(
+                lambda p, b: _masked_loss(p, b), "data", has_weight=True
+            )
+        else:
+            grad_fn = ga.local_value_and_grad(_mean_loss, "data")
+
+        def step(params, state, batch):
+            if weighted:
+                (_, weight), grads = grad_fn(params, batch)
+                return tx.update(grads, state, params, weight=weight)
+            _, grads = grad_fn(params, batch)
+            return tx.update(grads, state, params)
+
+    params = _place(params, layout and layout.specs, layout)
+    state = jax.jit(tx.init)(params)
+    step = jax.jit(step)
+    outputs = []
+    for i, batch in enumerate(_batches(2 * K)):
+        if i == K + 1 and layout is not None:
+            # A checkpoint mid-window: reduced, then resumed from.
+            state = jax.jit(tx.reduce_window)(state)
+        updates, state = step(params, state, _place(batch, _batch_specs(batch), layout))
+        outputs.append(jax.block_until_ready(updates))
+    return outputs, ()
+
+
+def unreduced_window(params, layout):
+    return _unreduced_run(params, layout, weighted=False)
+
+
+def unreduced_weighted_window(params, layout):
+    return _unreduced_run(params, layout, weighted=True)
+
+
+TRANSFORMATIONS: dict[str, Callable[[Any, Any], Any]] = {
+    f.__name__: f
+    for f in (
+        multisteps,
+        accumulate_in_chain,
+        low_precision_window,
+        ternary_accumulate,
+        ternarize,
+        microbatched,
+        unreduced_window,
+        unreduced_weighted_window,
+    )
+}
+# Exact where each device adds the same bits a single device adds; where a
+# collective sums partial sums (a gradient over a sharded batch, the window's
+# all-reduce) the order differs: float32 rounding, or bfloat16's (a bfloat16
+# gradient is rounded in its own backward pass, per device or not).
+TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
+
+
+@functools.cache
+def _unsharded(name: str, dtype: str):
+    """The reference: ``name`` on plain arrays on one device (computed once)."""
+    return TRANSFORMATIONS[name](_params(DTYPES[dtype]), None)
+
+
+def _padded(spec: P, ndim: int) -> tuple[Any, ...]:
+    return (*spec, *(None,) * (ndim - len(spec)))
+
+
+def _on_mesh(name: str, layout: Layout, params):
+    with jax.set_mesh(layout.mesh()):
+        return TRANSFORMATIONS[name](params, layout)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+@pytest.mark.parametrize("name", TRANSFORMATIONS)
+def test_sharded_equals_unsharded(name, layout_name, dtype):
+    layout = LAYOUTS[layout_name]
+    params = _params(DTYPES[dtype])
+    if name.startswith("unreduced") and layout.shards_params_over_data:
+        # A per-device term of an FSDP gradient would be the whole gradient
+        # on every device: the window cannot be unreduced over the axis the
+        # params are sharded over.
+        with pytest.raises(ValueError, match="sharded over the mesh axis 'data'"):
+            _on_mesh(name, layout, params)
+        return
+    expected, expected_extra = _unsharded(name, dtype)
+    actual, actual_extra = _on_mesh(name, layout, params)
+    tolerance = TOLERANCE[dtype]
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
+        for (path, w), g in zip(want_leaves, jax.tree.leaves(got), strict=True):
+            where = f"step {step}, leaf {jax.tree_util.keystr(path)}"
+            assert g.dtype == w.dtype == DTYPES[dtype], where
+            np.testing.assert_allclose(
+                np.asarray(g, np.float32),
+                np.asarray(w, np.float32),
+                rtol=tolerance,
+                # An element much smaller than the leaf's largest gets its
+                # rounding error from the sums that made it: scale by those.
+                atol=tolerance * float(np.max(np.abs(np.asarray(w, np.float32)))),
+                err_msg=where,
+            )
+        if layout.explicit:
+            for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
+                leaf = jax.tree_util.keystr(path)[2:-2]
+                assert _padded(jax.typeof(g).sharding.spec, g.ndim) == _padded(
+                    layout.specs[leaf], g.ndim
+                ), f"step {step}, leaf {leaf}: {jax.typeof(g)}"
+    for want, got in zip(expected_extra, actual_extra, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4)
