@@ -699,3 +699,55 @@ def test_all_nan_window_under_skip_nonfinite_does_not_step_adam():
     np.testing.assert_array_equal(updates["a"], [0.0, 0.0])
     assert int(state.inner_opt_state[0].count) == 1
     assert not bool(tx.has_updated(state))
+
+
+# --- complex params (optax supports them) -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("accumulator_dtype", "window_dtype"),
+    [
+        (jnp.float32, jnp.complex64),
+        # No complex bfloat16: the window keeps complex64, never a real part.
+        (jnp.bfloat16, jnp.complex64),
+    ],
+)
+@pytest.mark.parametrize("make", ["MultiSteps", "accumulate"])
+def test_complex_gradients_accumulate_exactly(make, accumulator_dtype, window_dtype):
+    tx = getattr(gradaccum_jax, make)(
+        optax.sgd(1.0), 2, accumulator_dtype=accumulator_dtype
+    )
+    params = {"w": jnp.array([1 + 2j, 3 - 1j], jnp.complex64)}
+    grads = [
+        {"w": jnp.array([1 + 2j, 0 + 3j], jnp.complex64)},
+        {"w": jnp.array([1 + 2j, 0 + 3j], jnp.complex64)},
+        {"w": jnp.array([3 - 2j, 4 + 1j], jnp.complex64)},
+    ]
+    outputs, state = run(tx, grads[:2], params)
+    # sgd(1) on the window's mean: minus it, imaginary part included.
+    np.testing.assert_array_equal(outputs[1]["w"], np.array([-1 - 2j, -0 - 3j]))
+    assert outputs[1]["w"].dtype == jnp.complex64
+    state_leaves = jax.tree.leaves(state.acc_grads)
+    assert jnp.dtype(window_dtype) in {leaf.dtype for leaf in state_leaves}
+    updates, state = tx.update(grads[2], state, params)
+    updates, _ = tx.flush(state, params)
+    np.testing.assert_allclose(updates["w"], np.array([-3 + 2j, -4 - 1j]), rtol=1e-2)
+
+
+def test_complex_gradients_noise_scale_uses_the_squared_modulus():
+    tx = MultiSteps(optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=0.0)
+    params = {"w": jnp.zeros(2, jnp.complex64)}
+    # As real vectors [re, im]: g1 = (1, 2, 0, 3), g2 = (3, 0, -2, 1).
+    grads = [
+        {"w": jnp.array([1 + 2j, 0 + 3j], jnp.complex64)},
+        {"w": jnp.array([3 + 0j, -2 + 1j], jnp.complex64)},
+    ]
+    _, state = run(tx, grads, params)
+    stats = tx.stats(state)
+    real = np.array([[1.0, 2.0, 0.0, 3.0], [3.0, 0.0, -2.0, 1.0]])
+    # Two micro-batches of weight 1: |G|^2 = |g_bar|^2 - tr/2, tr = A/1 - 2|g_bar|^2
+    a = np.sum(real**2) / 2  # mean of the micro-batch squared norms
+    mean_sq = np.sum(real.mean(0) ** 2)
+    trace = 2 * (a - mean_sq)
+    np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-6)
+    np.testing.assert_allclose(stats.grad_sq_norm, mean_sq - trace / 2, rtol=1e-6)

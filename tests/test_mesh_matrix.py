@@ -196,6 +196,13 @@ def low_precision_window(params, layout):
     )[0], ()
 
 
+def bfloat16_grads_window(params, layout):
+    """bfloat16 gradients (a mixed-precision backward pass) of any params."""
+    tx = ga.MultiSteps(optax.sgd(1.0), K)
+    grads = _grads(jnp.bfloat16, 2 * K)
+    return _run_updates(tx, params, grads, layout)[0], ()
+
+
 def ternary_accumulate(params, layout):
     tx = ga.ternary_accumulate(optax.sgd(1.0), K, seed=3)
     return _run_updates(
@@ -273,6 +280,7 @@ TRANSFORMATIONS: dict[str, Callable[[Any, Any], Any]] = {
         multisteps,
         accumulate_in_chain,
         low_precision_window,
+        bfloat16_grads_window,
         ternary_accumulate,
         ternarize,
         microbatched,
@@ -280,6 +288,9 @@ TRANSFORMATIONS: dict[str, Callable[[Any, Any], Any]] = {
         unreduced_weighted_window,
     )
 }
+# The updates' dtype: the params' (as the inner optimizer returns them on
+# gradients of the params' dtype), or the gradients' where they differ.
+UPDATE_DTYPE = {"bfloat16_grads_window": jnp.bfloat16}
 # Exact where each device adds the same bits a single device adds; where a
 # collective sums partial sums (a gradient over a sharded batch, the window's
 # all-reduce) the order differs: float32 rounding, or bfloat16's (a bfloat16
@@ -322,7 +333,7 @@ def test_sharded_equals_unsharded(name, layout_name, dtype):
         want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
         for (path, w), g in zip(want_leaves, jax.tree.leaves(got), strict=True):
             where = f"step {step}, leaf {jax.tree_util.keystr(path)}"
-            assert g.dtype == w.dtype == DTYPES[dtype], where
+            assert g.dtype == w.dtype == UPDATE_DTYPE.get(name, DTYPES[dtype]), where
             np.testing.assert_allclose(
                 np.asarray(g, np.float32),
                 np.asarray(w, np.float32),
