@@ -10,8 +10,10 @@ the parameters as they are. Keyword arguments of ``optimizer.update`` reach
 
 The script trains a small MLP on scikit-learn's digits twice from the same
 initialization, with batches of ``k * micro_batch`` examples and with k
-micro-batches of the same examples, and shows that both runs end with the
-same parameters (up to float32 rounding).
+micro-batches of the same examples, ends the accumulated run's epoch with a
+partial window emitted by `MultiSteps.flush` (read through `nnx.Optimizer`,
+see `end_of_epoch`), and shows that both runs end with the same parameters
+(up to float32 rounding).
 
 Run: ``python examples/flax_nnx.py``
 """
@@ -79,6 +81,24 @@ def train_step(model: MLP, optimizer: nnx.Optimizer, x, y) -> jax.Array:
     return loss
 
 
+def end_of_epoch(
+    model: MLP, optimizer: nnx.Optimizer, multi_steps: gradaccum_jax.MultiSteps
+) -> gradaccum_jax.AccumulationStats:
+    """Emits a partial window (`flush`) through ``optimizer``; returns its stats.
+
+    `nnx.Optimizer` keeps the wrapped state inside nnx variables: the window
+    methods take the plain arrays (``nnx.as_pure``), and their results go
+    back into the model and the optimizer with ``nnx.update``.
+    """
+    state = nnx.as_pure(optimizer.opt_state)
+    stats = multi_steps.stats(state)  # window_fill: micro-batches waiting
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    updates, state = multi_steps.flush(state, params)
+    nnx.update(model, optax.apply_updates(params, updates))
+    nnx.update(optimizer.opt_state, nnx.state(state))
+    return stats
+
+
 @nnx.jit
 def accuracy(model: MLP, x, y) -> jax.Array:
     return jnp.mean(jnp.argmax(model(x), -1) == y)
@@ -116,8 +136,17 @@ def main(
         ]
         acc_losses.append(float(jnp.mean(jnp.stack(window))))
 
+    # The end of an epoch: a window of 2 of k micro-batches, flushed, equals
+    # one big-batch step on their examples.
+    x, y = next(batches(x_train, y_train, 2 * micro_batch, 1, seed=1))
+    train_step(big_model, big_optimizer, x, y)
+    for i in range(2):
+        train_step(acc_model, acc_optimizer, x[i::2], y[i::2])
+    flushed = end_of_epoch(acc_model, acc_optimizer, multi_steps)
+
     results = {
         "big_batch_losses": big_losses,
+        "flushed_window_fill": int(flushed.window_fill),
         "accumulated_losses": acc_losses,
         "max_param_diff": max_param_diff(big_model, acc_model),
         "big_batch_accuracy": float(accuracy(big_model, x_test, y_test)),

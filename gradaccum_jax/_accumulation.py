@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +43,25 @@ from gradaccum_jax._window import (
     per_device_accumulator,
 )
 
+
+class ShouldSkipUpdateFunction(optax.ShouldSkipUpdateFunction, Protocol):
+    """Decides whether a micro-batch is skipped: ``should_skip_update_fn=``.
+
+    optax's protocol, with its signature:
+    ``fn(updates, gradient_step, params) -> (skip, skip_state)``. ``updates``
+    are the micro-batch's gradients, ``gradient_step`` the window count
+    (`MultiStepsState.gradient_step`, e.g. for an annealed threshold) and
+    ``params`` the current params (or None). ``skip`` is a boolean scalar
+    array; ``skip_state`` any pytree, kept in `MultiStepsState.skip_state`
+    for logging. `skip_not_finite` and `skip_large_updates` are two.
+    """
+
+    def __call__(
+        self, updates: optax.Updates, gradient_step: jax.Array, params: Any
+    ) -> tuple[jax.Array, Any]: ...
+
+
 # The skip functions are optax's own: same signatures, same skip_state.
-ShouldSkipUpdateFunction: TypeAlias = optax.ShouldSkipUpdateFunction
 skip_not_finite = optax.skip_not_finite
 skip_large_updates = optax.skip_large_updates
 
@@ -540,15 +557,21 @@ class MultiSteps:
         of nonzero weight closes. With ``ternary_accumulate`` the window's
         norm includes the compression's noise, so ``tr(S)`` is
         underestimated by the codes' variance. Not tracked: NaN.
+
+        Works on a state of per-device terms (``unreduced_axes``) inside or
+        outside ``jax.set_mesh``: the window weight is summed on the mesh
+        its arrays lie on.
         """
         _check_state(state, "stats")
         noise = _noise_scale.estimate(getattr(state, "noise", ()))
+        with _partials.on_mesh_of(state.acc_weight):
+            window_weight = self._window_total(state.acc_weight)
         return AccumulationStats(
             micro_steps=state.micro_steps,
             gradient_steps=state.gradient_step,
             window_fill=state.mini_step,
             window_size=jnp.asarray(self._window_size(state), jnp.int32),
-            window_weight=self._window_total(state.acc_weight),
+            window_weight=window_weight,
             grad_sq_norm=noise.grad_sq_norm,
             noise_trace=noise.noise_trace,
             noise_scale=noise.noise_scale,
@@ -587,6 +610,10 @@ class MultiSteps:
         others) without moving data; the window goes on exactly. Without
         ``unreduced_axes`` the state is returned as is.
         """
+        with _partials.on_mesh_of(state.acc_weight):
+            return self._reduce_window(state)
+
+    def _reduce_window(self, state: MultiStepsState) -> MultiStepsState:
         if not self._holds_terms(state.acc_weight):
             return state
         noise_terms = _noise_scale.window_terms(state.noise)

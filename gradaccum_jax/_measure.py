@@ -84,8 +84,9 @@ class AllReduce(NamedTuple):
         all-reduce together).
       operands: how many buffers it reduces (> 1 for a fused tuple one).
       place: ``"entry"`` (runs on every call), ``"while-body"`` (runs once
-        per trip of a loop, e.g. `run_if`'s emission loop: once per emitted
-        window) or ``"other"`` (a called computation, e.g. a cond branch).
+        per trip of a loop, e.g. the accumulators' emission, a loop of zero
+        or one trip: once per emitted window) or ``"other"`` (a called
+        computation, e.g. a cond branch).
     """
 
     nbytes: int

@@ -354,6 +354,12 @@ def adaptive_every_k(micro_batch_size: float, k_min: int, k_max: int) -> Adaptiv
     (typical) number of examples in a micro-batch; without weights
     ``B_simple`` counts micro-batches, and ``micro_batch_size`` must be 1.
 
+    Under data parallelism ``micro_batch_size`` is global: the weight of one
+    ``update`` call summed over all devices (8 devices of 32 examples each:
+    256), since the window's batch is that of all devices together.
+    Without weights, where each call weighs 1 whatever the number of
+    devices, it is 1 again.
+
     Args:
       micro_batch_size: the weight of one micro-batch, a positive number.
       k_min: the smallest (and first) window, an integer >= 1.

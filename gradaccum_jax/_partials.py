@@ -17,6 +17,7 @@ default in `reduce` (one fused float all-reduce); a `WindowReduction` (e.g.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -75,6 +76,24 @@ def check_not_sharded_over(params: Any, axes: frozenset[str], what: str) -> None
                 "gradients with jax.value_and_grad (reduce-scattered) and "
                 "accumulate them without `unreduced_axes`."
             )
+
+
+def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
+    """The mesh of a concrete state leaf, set, when none is set already.
+
+    Lets host-side calls on a state of per-device terms (`stats`, a
+    checkpoint's `reduce_window`) run outside ``jax.set_mesh``: the
+    array's own sharding knows its mesh.
+    """
+    sharding = getattr(leaf, "sharding", None)
+    if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)
+        and isinstance(sharding, jax.sharding.NamedSharding)
+        and jax.sharding.get_abstract_mesh().empty
+    ):
+        return jax.set_mesh(sharding.mesh)
+    return contextlib.nullcontext()
 
 
 def _stack_axis(axes: frozenset[str]) -> tuple[str, int]:

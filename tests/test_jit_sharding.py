@@ -794,3 +794,21 @@ def test_per_device_windows_track_the_noise_scale(any_mesh):
             _, state = step(params, state, *_place(batch))
     stats = jax.jit(opt.stats)(state)
     _assert_same_noise_stats(stats, _one_device_noise_stats(params, windows))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_stats_and_reduce_window_work_outside_set_mesh(axis_type):
+    """A host-side look at a state of per-device terms finds the arrays' mesh."""
+    mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(axis_type,))
+    opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
+    batch = _micro_batches([16], masked=True)[0]
+    with jax.set_mesh(mesh):
+        params = jax.device_put(_params(), P())
+        state = jax.jit(opt.init)(params)
+        _, state = jax.jit(_weighted_step(opt))(params, state, *_place(batch))
+        inside = opt.stats(state)
+    outside = opt.stats(state)  # no mesh set here
+    assert float(outside.window_weight) == float(inside.window_weight) == batch[2].sum()
+    reduced = opt.reduce_window(state)
+    assert float(reduced.acc_weight) == batch[2].sum()
+    assert jax.tree.structure(reduced) == jax.tree.structure(state)

@@ -45,9 +45,9 @@ def run_blocks(page: pathlib.Path, tmp_path: pathlib.Path) -> None:
         text += block + "\n"
     script.write_text(text)
     env = dict(os.environ)
-    # The page must configure its devices itself, as a reader's shell would
-    # not set the test suite's XLA_FLAGS.
-    env.pop("XLA_FLAGS", None)
+    # As the page tells a reader on a CPU: 8 emulated devices, set in the
+    # environment before Python starts (and none of the suite's other flags).
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
     )
@@ -87,11 +87,13 @@ def test_docs_page_python_blocks_run_top_to_bottom(page, tmp_path):
     run_blocks(page, tmp_path)
 
 
-def test_readme_configures_the_emulated_devices_first():
-    first = python_blocks(README)[0]
-    config = first.index('jax.config.update("jax_num_cpu_devices", 8)')
-    assert first.index("import jax\n") < config
-    assert "jax.numpy" not in first[:config]
+def test_quickstart_configures_no_devices_and_the_mesh_examples_say_how():
+    blocks = python_blocks(README)
+    assert "jax_num_cpu_devices" not in blocks[0]
+    assert "XLA_FLAGS" not in blocks[0]
+    text = README.read_text()
+    first_mesh = text.index("jax.make_mesh(")
+    assert text.index("XLA_FLAGS=--xla_force_host_platform_device_count=8") < first_mesh
 
 
 # --- the API table ---------------------------------------------------------
