@@ -145,7 +145,12 @@ def test_low_precision_error_is_at_most_optax_error(dtype, random_sign, k):
     finite = np.isfinite(theirs).all(axis=-1)
     if dtype == jnp.float16 and random_sign:
         assert not finite[-1]
-    assert _rms_error(ours[finite], grads[:, finite]) <= _rms_error(
+    # Where neither overflows nor stalls, both round once per micro-step onto
+    # the same grid, and which comes out lower is a coin toss that depends
+    # on how the CPU rounds float16 arithmetic (natively with AVX512-FP16):
+    # at k=64 ours was 0.26% above optax's on one machine, below on another.
+    # 1% is far below what an overflow or a stalled sum costs (100x and more).
+    assert _rms_error(ours[finite], grads[:, finite]) <= 1.01 * _rms_error(
         theirs[finite], grads[:, finite]
     )
 
