@@ -9,25 +9,23 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _noise_scale, _weights
-from gradaccum_jax._tree import vary_over, varying_axes
+from gradaccum_jax._tree import zeros_like
 
 if TYPE_CHECKING:
     from gradaccum_jax._microbatching._sharded import ShardedParams
 
 
-def carry_zeros(tree: Any, dtype: jnp.dtype) -> Any:
-    """Zeros shaped like ``tree``'s leaves, varying where its leaves vary.
+def carry_zeros(tree: Any, accumulator_dtype: jnp.dtype) -> Any:
+    """Zeros like ``tree``'s leaves (``jax.ShapeDtypeStruct``s), in
+    ``accumulator_dtype``.
 
-    Inside ``shard_map`` (with ``check_vma``) a scan carry must have the
-    type the body returns: zeros are device-invariant, but a gradient of a
-    device's own micro-batch varies over the batch axis, so the zeros are
-    cast to varying (a no-op on the values, no communication).
+    A scan carry must have the type the body returns, sharding included:
+    an explicitly sharded gradient (FSDP ``f32[8@data,4]``, tensor-parallel
+    ``f32[8,4@model]``) needs zeros with the same partitions, and inside
+    ``shard_map`` a device's own gradient varies over the batch axis where
+    plain zeros are invariant. `zeros_like` keeps both.
     """
-
-    def zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
-        return vary_over(jnp.zeros(struct.shape, dtype), varying_axes(struct))
-
-    return jax.tree.map(zeros, tree)
+    return jax.tree.map(lambda struct: zeros_like(struct, accumulator_dtype), tree)
 
 
 class MicrobatchCall:
