@@ -2,7 +2,7 @@
 
 Tensor-parallel (``P(None, "model")``) and FSDP (``P("data", None)``)
 parameters on an Explicit ``data`` x ``model`` mesh, and FSDP placement on a
-1-D Auto mesh, with and without ``data_axis``.
+1-D Auto mesh, with and without ``data_axis`` and with ``unreduced_grads``.
 Each case compiles once and compares with ``jax.value_and_grad`` on the
 whole batch on one device. One parameter leaf is bfloat16: it
 is accumulated in float32 and its gradient comes back in bfloat16.
@@ -22,6 +22,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import microbatched_value_and_grad
+from gradaccum_jax._measure import all_reduce_nbytes
+from gradaccum_jax._tree import reduce_unreduced
 
 BATCH, IN_DIM, OUT_DIM, NUM_MICROBATCHES = 32, 8, 4, 2
 
@@ -90,14 +92,18 @@ LAYOUTS = {
 MODES = {
     "no-data-axis": {},
     "data-axis": {"data_axis": "data"},
+    "unreduced": {"data_axis": "data", "unreduced_grads": True},
 }
 CASES = [
     pytest.param(layout, mode, id=f"{layout}-{mode}")
     for layout, mode in [
         ("tensor-parallel", "no-data-axis"),
         ("tensor-parallel", "data-axis"),
+        ("tensor-parallel", "unreduced"),
         ("fsdp", "no-data-axis"),
         ("fsdp", "data-axis"),
+        ("fsdp", "unreduced"),
+        # Unreduced arrays are a type of Explicit sharding: not on Auto.
         ("auto-fsdp", "no-data-axis"),
         ("auto-fsdp", "data-axis"),
     ]
@@ -110,6 +116,15 @@ def place(params, batch, matrix_spec):
     specs = {"w": matrix_spec, "v": matrix_spec, "b": P()}
     params = {name: jax.device_put(leaf, specs[name]) for name, leaf in params.items()}
     return params, jax.device_put(batch, P("data"))
+
+
+def expected_spec(param_spec, mode):
+    """The gradient's sharding: the parameter's, except that unreduced
+    gradients are whole along ``data`` (an axis they are summed over)."""
+    if mode != "unreduced":
+        return param_spec
+    partitions = [None if entry == "data" else entry for entry in param_spec]
+    return P(*partitions, unreduced={"data"})
 
 
 @pytest.mark.parametrize("layout, mode", CASES)
@@ -127,7 +142,15 @@ def test_sharded_params_match_the_whole_batch(layout, mode):
         if axis_types[0] == AxisType.Explicit:
             for name in grads:
                 param_spec = jax.typeof(params[name]).sharding.spec
-                assert jax.typeof(grads[name]).sharding.spec == param_spec, name
+                assert jax.typeof(grads[name]).sharding.spec == expected_spec(
+                    param_spec, mode
+                ), name
+        if mode == "unreduced":
+            # Only scalars are all-reduced (the loss and the total weight;
+            # with tensor parallelism, the loss's sum over `model` too): fewer
+            # bytes than the smallest gradient, b's (OUT_DIM float32).
+            assert all_reduce_nbytes(compiled) < 4 * OUT_DIM
+            grads = jax.jit(reduce_unreduced)(grads)
     chex.assert_trees_all_equal_dtypes(grads, make_params())
     expected_loss, expected_grads = whole_batch_reference()
     # The float32 leaves match tightly. `v`'s gradient is a sum over the
