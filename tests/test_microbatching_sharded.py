@@ -1,8 +1,9 @@
 """microbatched_value_and_grad on sharded parameters under ``jax.jit``.
 
-Tensor-parallel (``P(None, "model")``) and FSDP (``P("data", None)``)
-parameters on an Explicit ``data`` x ``model`` mesh, and FSDP placement on a
-1-D Auto mesh, with and without ``data_axis`` and with ``unreduced_grads``.
+Tensor-parallel (``P(None, "model")``), FSDP (``P("data", None)``) and
+both (``P("data", "model")``) parameters on an Explicit ``data`` x ``model``
+mesh, and FSDP placement on a 1-D Auto mesh, with and without ``data_axis``,
+with ``unreduced_grads`` and with ``gather_params_once=False``.
 Each case compiles once and compares with ``jax.value_and_grad`` on the
 whole batch on one device. One parameter leaf is bfloat16: it
 is accumulated in float32 and its gradient comes back in bfloat16.
@@ -87,12 +88,14 @@ AUTO_1D = ((8,), ("data",), (AxisType.Auto,))
 LAYOUTS = {
     "tensor-parallel": (EXPLICIT_2D, P(None, "model")),
     "fsdp": (EXPLICIT_2D, P("data", None)),
+    "fsdp-tensor-parallel": (EXPLICIT_2D, P("data", "model")),
     "auto-fsdp": (AUTO_1D, P("data", None)),
 }
 MODES = {
     "no-data-axis": {},
     "data-axis": {"data_axis": "data"},
     "unreduced": {"data_axis": "data", "unreduced_grads": True},
+    "gather-per-microbatch": {"data_axis": "data", "gather_params_once": False},
 }
 CASES = [
     pytest.param(layout, mode, id=f"{layout}-{mode}")
@@ -103,6 +106,9 @@ CASES = [
         ("fsdp", "no-data-axis"),
         ("fsdp", "data-axis"),
         ("fsdp", "unreduced"),
+        # Reduce-scattered over `data` in every micro-batch, still split
+        # over `model`.
+        ("fsdp-tensor-parallel", "gather-per-microbatch"),
         # Unreduced arrays are a type of Explicit sharding: not on Auto.
         ("auto-fsdp", "no-data-axis"),
         ("auto-fsdp", "data-axis"),
@@ -145,6 +151,8 @@ def test_sharded_params_match_the_whole_batch(layout, mode):
                 assert jax.typeof(grads[name]).sharding.spec == expected_spec(
                     param_spec, mode
                 ), name
+        if mode == "gather-per-microbatch":
+            assert "reduce-scatter" in compiled.as_text()
         if mode == "unreduced":
             # Only scalars are all-reduced (the loss and the total weight;
             # with tensor parallelism, the loss's sum over `model` too): fewer

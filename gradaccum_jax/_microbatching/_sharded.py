@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -94,11 +95,36 @@ class ShardedParams:
         axis = self._layout.axis
 
         def scatter(leaf: jax.Array, dim: int | None) -> jax.Array:
-            if dim is None:
-                return leaf
-            return jax.lax.psum_scatter(leaf, axis, scatter_dimension=dim, tiled=True)
+            return leaf if dim is None else _reduce_scatter(leaf, axis, dim)
 
         return jax.tree.map(scatter, grads, self._layout.gather_dims)
+
+
+def _reduce_scatter(leaf: jax.Array, axis: str, dim: int) -> jax.Array:
+    """``psum_scatter`` of ``leaf`` over ``axis`` along ``dim``.
+
+    jax 0.10 fails to lower a reduce-scatter whose operand is also sharded
+    over a mesh axis outside the ``shard_map`` (an AssertionError in
+    ``_reduce_scatter_lowering`` for FSDP x tensor-parallel
+    ``P("data", "model")``): it then runs in a nested ``shard_map`` manual
+    over those axes too, on each device's block, since a reduce-scatter
+    acts on every position of the other dimensions alike.
+    """
+    scatter = functools.partial(
+        jax.lax.psum_scatter, axis_name=axis, scatter_dimension=dim, tiled=True
+    )
+    spec = jax.typeof(leaf).sharding.spec
+    others = {
+        name
+        for entry in spec
+        for name in (entry if isinstance(entry, tuple) else (entry,))
+        if name is not None
+    }
+    if not others:
+        return scatter(leaf)
+    return jax.shard_map(scatter, in_specs=spec, out_specs=spec, axis_names=others)(
+        leaf
+    )
 
 
 def over_data_axis(local_sums, layout, params, batch, args, kwargs):
