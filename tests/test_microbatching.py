@@ -150,14 +150,26 @@ class TestMatchesFullBatch:
         assert aux["max_logit"].dtype == jnp.bfloat16
         assert float(aux["max_logit"]) <= float(expected_aux["max_logit"])
 
-    def test_integer_aux_is_averaged_in_accumulator_dtype(self):
+    @pytest.mark.parametrize(
+        "count_of",
+        [lambda batch: jnp.sum(batch["y"] >= 0), lambda batch: batch["y"].shape[0]],
+        ids=["int-array", "python-int"],
+    )
+    def test_integer_aux_is_averaged_in_accumulator_dtype(self, count_of):
+        # Python scalars in aux are arrays, as jax.value_and_grad takes them:
+        # a Python float averages to float32 (a weak type), an int as an
+        # integer array does.
         def loss_with_count(params, batch):
-            return mean_loss(params, batch), jnp.sum(batch["y"] >= 0)
+            return mean_loss(params, batch), {"n": count_of(batch), "half": 0.5}
 
         fn = microbatched_value_and_grad(loss_with_count, 4, has_aux=True)
-        (_, count), _ = fn(make_params(), make_batch())
-        assert count.dtype == jnp.float32
-        assert float(count) == BATCH / 4
+        (_, aux), _ = jax.jit(fn)(make_params(), make_batch())
+        chex.assert_trees_all_equal(
+            aux, {"n": jnp.float32(BATCH / 4), "half": jnp.float32(0.5)}
+        )
+        chex.assert_trees_all_equal_dtypes(
+            aux, {"n": jnp.float32(0), "half": jnp.float32(0)}
+        )
 
     def test_extra_arguments_are_passed_to_every_microbatch(self):
         def scaled_loss(params, batch, scale, *, offset=0.0):
@@ -310,6 +322,41 @@ class TestDtypes:
         fn = microbatched_value_and_grad(mean_loss, 4, accumulator_dtype=jnp.bfloat16)
         carry = scan_carry_dtypes(fn, make_params(), make_batch())
         assert carry == {jnp.dtype(jnp.bfloat16)}
+
+    @pytest.mark.parametrize("accumulator_dtype", [jnp.float32, jnp.bfloat16])
+    def test_complex_grads_keep_their_imaginary_part(self, accumulator_dtype):
+        # Complex leaves are summed in a complex accumulator (complex64: there
+        # is no complex bfloat16), so they equal the big-batch gradient; the
+        # real leaves and the loss are summed in accumulator_dtype.
+        def complex_loss(params, batch):
+            residual = batch["x"] @ params["c"] + params["r"] - batch["y"]
+            return jnp.mean(jnp.abs(residual) ** 2)
+
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((BATCH, IN_DIM, 2)).astype(np.float32)
+        params = {
+            "c": (
+                rng.standard_normal(IN_DIM) + 1j * rng.standard_normal(IN_DIM)
+            ).astype(np.complex64),
+            "r": np.float32(0.5),
+        }
+        batch = {
+            "x": (x[..., 0] + 1j * x[..., 1]).astype(np.complex64),
+            "y": x[:, 0, 0],
+        }
+        fn = microbatched_value_and_grad(
+            complex_loss, 4, accumulator_dtype=accumulator_dtype
+        )
+        carry = scan_carry_dtypes(fn, params, batch)
+        assert carry == {jnp.dtype(accumulator_dtype), jnp.dtype(jnp.complex64)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no complex-to-real cast warning
+            loss, grads = jax.jit(fn)(params, batch)
+        expected_loss, expected_grads = jax.value_and_grad(complex_loss)(params, batch)
+        chex.assert_trees_all_equal_dtypes(grads, expected_grads)
+        close(grads["c"], expected_grads["c"], atol=1e-5)
+        atol = 1e-5 if accumulator_dtype == jnp.float32 else 5e-2
+        close((loss, grads["r"]), (expected_loss, expected_grads["r"]), atol=atol)
 
     def test_bf16_loss_keeps_its_dtype(self):
         def bf16_loss(params, batch):

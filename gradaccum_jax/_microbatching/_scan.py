@@ -15,9 +15,25 @@ if TYPE_CHECKING:
     from gradaccum_jax._microbatching._sharded import ShardedParams
 
 
+def sum_dtype(dtype: Any, accumulator_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a leaf of ``dtype`` is summed in: ``accumulator_dtype``, or
+    its complex counterpart for a complex leaf (complex64 for float32 and
+    below, complex128 for float64), so no imaginary part is dropped."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.promote_types(accumulator_dtype, jnp.complex64)
+    return jnp.dtype(accumulator_dtype)
+
+
+def as_summand(leaf: Any, accumulator_dtype: jnp.dtype) -> jax.Array:
+    """``leaf`` (an array or, as jax treats an aux output, a Python scalar)
+    in the dtype it is summed in."""
+    leaf = jnp.asarray(leaf)
+    return leaf.astype(sum_dtype(leaf.dtype, accumulator_dtype))
+
+
 def carry_zeros(tree: Any, accumulator_dtype: jnp.dtype) -> Any:
-    """Zeros like ``tree``'s leaves (``jax.ShapeDtypeStruct``s), in
-    ``accumulator_dtype``.
+    """Zeros like ``tree``'s leaves (``jax.ShapeDtypeStruct``s), in the
+    dtype each is summed in.
 
     A scan carry must have the type the body returns, sharding included:
     an explicitly sharded gradient (FSDP ``f32[8@data,4]``, tensor-parallel
@@ -25,7 +41,10 @@ def carry_zeros(tree: Any, accumulator_dtype: jnp.dtype) -> Any:
     ``shard_map`` a device's own gradient varies over the batch axis where
     plain zeros are invariant. `zeros_like` keeps both.
     """
-    return jax.tree.map(lambda struct: zeros_like(struct, accumulator_dtype), tree)
+    return jax.tree.map(
+        lambda struct: zeros_like(struct, sum_dtype(struct.dtype, accumulator_dtype)),
+        tree,
+    )
 
 
 class MicrobatchCall:
@@ -104,7 +123,7 @@ def weighted_sums(
     acc_shape = jax.eval_shape(
         lambda mb: reduce_contribution(
             jax.tree.map(
-                lambda g: g.astype(accumulator_dtype),
+                lambda g: as_summand(g, accumulator_dtype),
                 call(mb, jnp.zeros((), jnp.uint32))[1],
             )
         ),
@@ -120,7 +139,7 @@ def weighted_sums(
         def weighted(new: jax.Array) -> jax.Array:
             # A micro-batch without valid examples often has a NaN loss
             # (0 / 0); weight 0 must drop it, and 0 * NaN = NaN.
-            new = new.astype(accumulator_dtype)
+            new = as_summand(new, accumulator_dtype)
             return jnp.where(weight != 0, weight * new, jnp.zeros_like(new))
 
         acc_value = jax.tree.map(jnp.add, acc_value, jax.tree.map(weighted, value))
