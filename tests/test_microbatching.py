@@ -281,6 +281,43 @@ class TestKeys:
             microbatched_value_and_grad(dropout_loss, 4, key_argnum=2)
             microbatched_value_and_grad(mean_loss, 4)
 
+    @pytest.mark.parametrize(
+        "key_argnum, spelling, message",
+        [
+            ("key", "positional", r"`key_argnum`='key' names .*Pass it as `key=`"),
+            (2, "keyword", r"`key_argnum`=2 is the position.*\['key'\]"),
+        ],
+        ids=["name-passed-by-position", "position-passed-by-keyword"],
+    )
+    def test_key_hidden_by_a_wrapper_and_passed_the_other_way(
+        self, key_argnum, spelling, message
+    ):
+        # The wrapper's signature tells neither where `key` sits nor what
+        # the argument at position 2 is called: the key may be any extra
+        # argument, and using none would give every micro-batch the same one.
+        def wrapped(*args, **kwargs):
+            return dropout_loss(*args, **kwargs)
+
+        params, batch, key = make_params(), make_batch(), jax.random.PRNGKey(5)
+        fn = jax.jit(microbatched_value_and_grad(wrapped, 4, key_argnum=key_argnum))
+        with pytest.raises(ValueError, match=message):
+            if spelling == "positional":
+                fn(params, batch, key)
+            else:
+                fn(params, batch, key=key)
+
+    def test_visible_signature_places_extra_arguments(self):
+        # `scale` is no key even though the key's position is unknown (it
+        # comes by keyword only, through **kwargs): no error, and the key
+        # folded per micro-batch.
+        def scaled(params, batch, scale, **kwargs):
+            return scale * dropout_loss(params, batch, **kwargs)
+
+        params, batch, key = make_params(), make_batch(), jax.random.PRNGKey(5)
+        fn = jax.jit(microbatched_value_and_grad(scaled, 4, key_argnum="key"))
+        expected = manual_key_reference(params, batch, key, 4)
+        close(fn(params, batch, 1.0, key=key), expected)
+
     @pytest.mark.parametrize("bad", [0, 1, -1, True, 2.5, "", "not a name", ["key"]])
     def test_bad_key_argnum(self, bad):
         with pytest.raises(

@@ -59,13 +59,12 @@ class MicrobatchCall:
     def __init__(self, value_and_grad_fn, params, args, kwargs, key_slot, shard):
         self._fn, self._params, self._shard = value_and_grad_fn, params, shard
         self._args, self._kwargs = list(args), dict(kwargs)
-        # key_slot.position counts params and batch; args start after them.
-        position = None if key_slot.position is None else key_slot.position - 2
-        self._key_index = self._key_name = self._key = None
-        if key_slot.name is not None and key_slot.name in kwargs:
-            self._key_name, self._key = key_slot.name, kwargs[key_slot.name]
-        elif position is not None and position < len(args):
-            self._key_index, self._key = position, args[position]
+        self._key_index, self._key_name = key_slot.locate(args, kwargs)
+        self._key = None
+        if self._key_name is not None:
+            self._key = kwargs[self._key_name]
+        elif self._key_index is not None:
+            self._key = args[self._key_index]
         if self._key is not None and shard is not None:
             device = jax.lax.axis_index(shard.axis)
             self._key = jax.random.fold_in(self._key, device)
