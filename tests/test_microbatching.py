@@ -306,17 +306,26 @@ class TestKeys:
             else:
                 fn(params, batch, key=key)
 
-    def test_visible_signature_places_extra_arguments(self):
-        # `scale` is no key even though the key's position is unknown (it
-        # comes by keyword only, through **kwargs): no error, and the key
-        # folded per micro-batch.
-        def scaled(params, batch, scale, **kwargs):
+    @pytest.mark.parametrize("spelling", ["keyword", "positional-only"])
+    def test_visible_signature_places_extra_arguments(self, spelling):
+        # A signature that shows where the extra arguments go needs no
+        # guess: `scale` is no key although the key's position is unknown
+        # (it comes by keyword only, through **kwargs), and a positional-only
+        # `key` is found by its name.
+        def by_keyword(params, batch, scale, **kwargs):
             return scale * dropout_loss(params, batch, **kwargs)
 
+        def positional_only(params, batch, scale, key, /):
+            return scale * dropout_loss(params, batch, key)
+
         params, batch, key = make_params(), make_batch(), jax.random.PRNGKey(5)
-        fn = jax.jit(microbatched_value_and_grad(scaled, 4, key_argnum="key"))
+        loss = by_keyword if spelling == "keyword" else positional_only
+        fn = jax.jit(microbatched_value_and_grad(loss, 4, key_argnum="key"))
         expected = manual_key_reference(params, batch, key, 4)
-        close(fn(params, batch, 1.0, key=key), expected)
+        if spelling == "keyword":
+            close(fn(params, batch, 1.0, key=key), expected)
+        else:
+            close(fn(params, batch, 1.0, key), expected)
 
     @pytest.mark.parametrize("bad", [0, 1, -1, True, 2.5, "", "not a name", ["key"]])
     def test_bad_key_argnum(self, bad):

@@ -10,7 +10,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 _KEY_ARG = "key"
-_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+# Parameters a call can fill without *args or **kwargs.
+_NAMED = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    inspect.Parameter.KEYWORD_ONLY,
+)
 
 
 def _parameters(loss_fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
