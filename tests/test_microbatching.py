@@ -150,14 +150,26 @@ class TestMatchesFullBatch:
         assert aux["max_logit"].dtype == jnp.bfloat16
         assert float(aux["max_logit"]) <= float(expected_aux["max_logit"])
 
-    def test_integer_aux_is_averaged_in_accumulator_dtype(self):
+    @pytest.mark.parametrize(
+        "count_of",
+        [lambda batch: jnp.sum(batch["y"] >= 0), lambda batch: batch["y"].shape[0]],
+        ids=["int-array", "python-int"],
+    )
+    def test_integer_aux_is_averaged_in_accumulator_dtype(self, count_of):
+        # Python scalars in aux are arrays, as jax.value_and_grad takes them:
+        # a Python float averages to float32 (a weak type), an int as an
+        # integer array does.
         def loss_with_count(params, batch):
-            return mean_loss(params, batch), jnp.sum(batch["y"] >= 0)
+            return mean_loss(params, batch), {"n": count_of(batch), "half": 0.5}
 
         fn = microbatched_value_and_grad(loss_with_count, 4, has_aux=True)
-        (_, count), _ = fn(make_params(), make_batch())
-        assert count.dtype == jnp.float32
-        assert float(count) == BATCH / 4
+        (_, aux), _ = jax.jit(fn)(make_params(), make_batch())
+        chex.assert_trees_all_equal(
+            aux, {"n": jnp.float32(BATCH / 4), "half": jnp.float32(0.5)}
+        )
+        chex.assert_trees_all_equal_dtypes(
+            aux, {"n": jnp.float32(0), "half": jnp.float32(0)}
+        )
 
     def test_extra_arguments_are_passed_to_every_microbatch(self):
         def scaled_loss(params, batch, scale, *, offset=0.0):
@@ -269,6 +281,52 @@ class TestKeys:
             microbatched_value_and_grad(dropout_loss, 4, key_argnum=2)
             microbatched_value_and_grad(mean_loss, 4)
 
+    @pytest.mark.parametrize(
+        "key_argnum, spelling, message",
+        [
+            ("key", "positional", r"`key_argnum`='key' names .*Pass it as `key=`"),
+            (2, "keyword", r"`key_argnum`=2 is the position.*\['key'\]"),
+        ],
+        ids=["name-passed-by-position", "position-passed-by-keyword"],
+    )
+    def test_key_hidden_by_a_wrapper_and_passed_the_other_way(
+        self, key_argnum, spelling, message
+    ):
+        # The wrapper's signature tells neither where `key` sits nor what
+        # the argument at position 2 is called: the key may be any extra
+        # argument, and using none would give every micro-batch the same one.
+        def wrapped(*args, **kwargs):
+            return dropout_loss(*args, **kwargs)
+
+        params, batch, key = make_params(), make_batch(), jax.random.PRNGKey(5)
+        fn = jax.jit(microbatched_value_and_grad(wrapped, 4, key_argnum=key_argnum))
+        with pytest.raises(ValueError, match=message):
+            if spelling == "positional":
+                fn(params, batch, key)
+            else:
+                fn(params, batch, key=key)
+
+    @pytest.mark.parametrize("spelling", ["keyword", "positional-only"])
+    def test_visible_signature_places_extra_arguments(self, spelling):
+        # A signature that shows where the extra arguments go needs no
+        # guess: `scale` is no key although the key's position is unknown
+        # (it comes by keyword only, through **kwargs), and a positional-only
+        # `key` is found by its name.
+        def by_keyword(params, batch, scale, **kwargs):
+            return scale * dropout_loss(params, batch, **kwargs)
+
+        def positional_only(params, batch, scale, key, /):
+            return scale * dropout_loss(params, batch, key)
+
+        params, batch, key = make_params(), make_batch(), jax.random.PRNGKey(5)
+        loss = by_keyword if spelling == "keyword" else positional_only
+        fn = jax.jit(microbatched_value_and_grad(loss, 4, key_argnum="key"))
+        expected = manual_key_reference(params, batch, key, 4)
+        if spelling == "keyword":
+            close(fn(params, batch, 1.0, key=key), expected)
+        else:
+            close(fn(params, batch, 1.0, key), expected)
+
     @pytest.mark.parametrize("bad", [0, 1, -1, True, 2.5, "", "not a name", ["key"]])
     def test_bad_key_argnum(self, bad):
         with pytest.raises(
@@ -310,6 +368,41 @@ class TestDtypes:
         fn = microbatched_value_and_grad(mean_loss, 4, accumulator_dtype=jnp.bfloat16)
         carry = scan_carry_dtypes(fn, make_params(), make_batch())
         assert carry == {jnp.dtype(jnp.bfloat16)}
+
+    @pytest.mark.parametrize("accumulator_dtype", [jnp.float32, jnp.bfloat16])
+    def test_complex_grads_keep_their_imaginary_part(self, accumulator_dtype):
+        # Complex leaves are summed in a complex accumulator (complex64: there
+        # is no complex bfloat16), so they equal the big-batch gradient; the
+        # real leaves and the loss are summed in accumulator_dtype.
+        def complex_loss(params, batch):
+            residual = batch["x"] @ params["c"] + params["r"] - batch["y"]
+            return jnp.mean(jnp.abs(residual) ** 2)
+
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((BATCH, IN_DIM, 2)).astype(np.float32)
+        params = {
+            "c": (
+                rng.standard_normal(IN_DIM) + 1j * rng.standard_normal(IN_DIM)
+            ).astype(np.complex64),
+            "r": np.float32(0.5),
+        }
+        batch = {
+            "x": (x[..., 0] + 1j * x[..., 1]).astype(np.complex64),
+            "y": x[:, 0, 0],
+        }
+        fn = microbatched_value_and_grad(
+            complex_loss, 4, accumulator_dtype=accumulator_dtype
+        )
+        carry = scan_carry_dtypes(fn, params, batch)
+        assert carry == {jnp.dtype(accumulator_dtype), jnp.dtype(jnp.complex64)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no complex-to-real cast warning
+            loss, grads = jax.jit(fn)(params, batch)
+        expected_loss, expected_grads = jax.value_and_grad(complex_loss)(params, batch)
+        chex.assert_trees_all_equal_dtypes(grads, expected_grads)
+        close(grads["c"], expected_grads["c"], atol=1e-5)
+        atol = 1e-5 if accumulator_dtype == jnp.float32 else 5e-2
+        close((loss, grads["r"]), (expected_loss, expected_grads["r"]), atol=atol)
 
     def test_bf16_loss_keeps_its_dtype(self):
         def bf16_loss(params, batch):

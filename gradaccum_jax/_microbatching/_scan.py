@@ -9,25 +9,42 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _noise_scale, _weights
-from gradaccum_jax._tree import vary_over, varying_axes
+from gradaccum_jax._tree import zeros_like
 
 if TYPE_CHECKING:
     from gradaccum_jax._microbatching._sharded import ShardedParams
 
 
-def carry_zeros(tree: Any, dtype: jnp.dtype) -> Any:
-    """Zeros shaped like ``tree``'s leaves, varying where its leaves vary.
+def sum_dtype(dtype: Any, accumulator_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a leaf of ``dtype`` is summed in: ``accumulator_dtype``, or
+    its complex counterpart for a complex leaf (complex64 for float32 and
+    below, complex128 for float64), so no imaginary part is dropped."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.promote_types(accumulator_dtype, jnp.complex64)
+    return jnp.dtype(accumulator_dtype)
 
-    Inside ``shard_map`` (with ``check_vma``) a scan carry must have the
-    type the body returns: zeros are device-invariant, but a gradient of a
-    device's own micro-batch varies over the batch axis, so the zeros are
-    cast to varying (a no-op on the values, no communication).
+
+def as_summand(leaf: Any, accumulator_dtype: jnp.dtype) -> jax.Array:
+    """``leaf`` (an array or, as jax treats an aux output, a Python scalar)
+    in the dtype it is summed in."""
+    leaf = jnp.asarray(leaf)
+    return leaf.astype(sum_dtype(leaf.dtype, accumulator_dtype))
+
+
+def carry_zeros(tree: Any, accumulator_dtype: jnp.dtype) -> Any:
+    """Zeros like ``tree``'s leaves (``jax.ShapeDtypeStruct``s), in the
+    dtype each is summed in.
+
+    A scan carry must have the type the body returns, sharding included:
+    an explicitly sharded gradient (FSDP ``f32[8@data,4]``, tensor-parallel
+    ``f32[8,4@model]``) needs zeros with the same partitions, and inside
+    ``shard_map`` a device's own gradient varies over the batch axis where
+    plain zeros are invariant. `zeros_like` keeps both.
     """
-
-    def zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
-        return vary_over(jnp.zeros(struct.shape, dtype), varying_axes(struct))
-
-    return jax.tree.map(zeros, tree)
+    return jax.tree.map(
+        lambda struct: zeros_like(struct, sum_dtype(struct.dtype, accumulator_dtype)),
+        tree,
+    )
 
 
 class MicrobatchCall:
@@ -42,13 +59,12 @@ class MicrobatchCall:
     def __init__(self, value_and_grad_fn, params, args, kwargs, key_slot, shard):
         self._fn, self._params, self._shard = value_and_grad_fn, params, shard
         self._args, self._kwargs = list(args), dict(kwargs)
-        # key_slot.position counts params and batch; args start after them.
-        position = None if key_slot.position is None else key_slot.position - 2
-        self._key_index = self._key_name = self._key = None
-        if key_slot.name is not None and key_slot.name in kwargs:
-            self._key_name, self._key = key_slot.name, kwargs[key_slot.name]
-        elif position is not None and position < len(args):
-            self._key_index, self._key = position, args[position]
+        self._key_index, self._key_name = key_slot.locate(args, kwargs)
+        self._key = None
+        if self._key_name is not None:
+            self._key = kwargs[self._key_name]
+        elif self._key_index is not None:
+            self._key = args[self._key_index]
         if self._key is not None and shard is not None:
             device = jax.lax.axis_index(shard.axis)
             self._key = jax.random.fold_in(self._key, device)
@@ -106,7 +122,7 @@ def weighted_sums(
     acc_shape = jax.eval_shape(
         lambda mb: reduce_contribution(
             jax.tree.map(
-                lambda g: g.astype(accumulator_dtype),
+                lambda g: as_summand(g, accumulator_dtype),
                 call(mb, jnp.zeros((), jnp.uint32))[1],
             )
         ),
@@ -122,7 +138,7 @@ def weighted_sums(
         def weighted(new: jax.Array) -> jax.Array:
             # A micro-batch without valid examples often has a NaN loss
             # (0 / 0); weight 0 must drop it, and 0 * NaN = NaN.
-            new = new.astype(accumulator_dtype)
+            new = as_summand(new, accumulator_dtype)
             return jnp.where(weight != 0, weight * new, jnp.zeros_like(new))
 
         acc_value = jax.tree.map(jnp.add, acc_value, jax.tree.map(weighted, value))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -94,11 +95,36 @@ class ShardedParams:
         axis = self._layout.axis
 
         def scatter(leaf: jax.Array, dim: int | None) -> jax.Array:
-            if dim is None:
-                return leaf
-            return jax.lax.psum_scatter(leaf, axis, scatter_dimension=dim, tiled=True)
+            return leaf if dim is None else _reduce_scatter(leaf, axis, dim)
 
         return jax.tree.map(scatter, grads, self._layout.gather_dims)
+
+
+def _reduce_scatter(leaf: jax.Array, axis: str, dim: int) -> jax.Array:
+    """``psum_scatter`` of ``leaf`` over ``axis`` along ``dim``.
+
+    jax 0.10 fails to lower a reduce-scatter whose operand is also sharded
+    over a mesh axis outside the ``shard_map`` (an AssertionError in
+    ``_reduce_scatter_lowering`` for FSDP x tensor-parallel
+    ``P("data", "model")``): it then runs in a nested ``shard_map`` manual
+    over those axes too, on each device's block, since a reduce-scatter
+    acts on every position of the other dimensions alike.
+    """
+    scatter = functools.partial(
+        jax.lax.psum_scatter, axis_name=axis, scatter_dimension=dim, tiled=True
+    )
+    spec = jax.typeof(leaf).sharding.spec
+    others = {
+        name
+        for entry in spec
+        for name in (entry if isinstance(entry, tuple) else (entry,))
+        if name is not None
+    }
+    if not others:
+        return scatter(leaf)
+    return jax.shard_map(scatter, in_specs=spec, out_specs=spec, axis_names=others)(
+        leaf
+    )
 
 
 def over_data_axis(local_sums, layout, params, batch, args, kwargs):
@@ -135,10 +161,10 @@ def over_data_axis(local_sums, layout, params, batch, args, kwargs):
             acc_value, acc_grads, total, value_shape, grads_shape
         )
         if layout.unreduced:
+            # Each device's term, stacked along a new leading axis sharded
+            # over the data axis; `_stacked_as_unreduced` retypes the stack.
             grads = jax.tree.map(
-                lambda g, dim: (
-                    g if dim is not None else jax.lax.pcast(g, axis, to="unreduced")
-                ),
+                lambda g, dim: g if dim is not None else g[None],
                 grads,
                 layout.gather_dims,
                 is_leaf=is_leaf,
@@ -147,7 +173,7 @@ def over_data_axis(local_sums, layout, params, batch, args, kwargs):
 
     def grad_spec(dim: int | None) -> P:
         if dim is None and layout.unreduced:
-            return P(unreduced={axis})
+            return P(axis)
         return layout.param_spec(dim)
 
     if layout.explicit:
@@ -171,16 +197,48 @@ def over_data_axis(local_sums, layout, params, batch, args, kwargs):
         out_specs=(P(), grad_specs),
         axis_names={axis},
     )(inputs, batch, dynamic)
-    if layout.explicit and not layout.unreduced:
+    return value, _final_grads(grads, params, layout)
+
+
+def _final_grads(grads: Any, params: Any, layout: DataLayout) -> Any:
+    """The step's gradients, as they leave the ``shard_map``, in their final
+    type: unreduced ones from their per-device stack; on an Explicit mesh,
+    reduced ones with their parameter's sharding."""
+    if layout.unreduced:
+        return jax.tree.map(
+            lambda g, dim: (
+                g if dim is not None else _stacked_as_unreduced(g, layout.axis)
+            ),
+            grads,
+            layout.gather_dims,
+            is_leaf=lambda x: x is None,
+        )
+    if layout.explicit:
         # Gradients of parameters sharded over the axis but gathered once
         # come out replicated: give them the parameter's sharding back (a
         # local slice, no communication).
-        grads = jax.tree.map(
+        return jax.tree.map(
             lambda g, p: jax.sharding.reshard(g, jax.typeof(p).sharding.spec),
             grads,
             params,
         )
-    return value, grads
+    return grads
+
+
+def _stacked_as_unreduced(stacked: jax.Array, axis: str) -> jax.Array:
+    """The sum of ``stacked``'s per-device terms (its leading axis, sharded
+    over ``axis``), typed unreduced over ``axis``: each device keeps its own
+    term and nothing moves. The other partitions (tensor parallelism) stay.
+
+    Not ``out_specs=P(unreduced={axis})`` on the step's ``shard_map``: jax
+    accepts unreduced ``out_specs`` only when every mesh axis is manual
+    (``NotImplementedError`` on a data x model mesh), while the step leaves
+    the other axes to the compiler so that the loss sees whole arrays.
+    """
+    spec = jax.typeof(stacked).sharding.spec
+    return jax.lax.reduce_sum(
+        stacked, (0,), out_sharding=P(*spec[1:], unreduced={axis})
+    )
 
 
 def _gathered(leaf: jax.Array, axis: str) -> jax.Array:

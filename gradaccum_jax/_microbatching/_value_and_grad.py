@@ -64,14 +64,25 @@ def microbatched_value_and_grad(
     PRNG keys: with ``key_argnum`` (the key's position among ``loss_fn``'s
     arguments, params being 0 and the batch 1, or its keyword name) and a
     key passed there, micro-batch i sees ``jax.random.fold_in(key, i)``, so
-    dropout masks differ between micro-batches. Without ``key_argnum`` a
-    parameter literally named ``key`` in ``loss_fn``'s signature is still
-    used, with a DeprecationWarning: a decorator without ``functools.wraps``
-    hides the signature and every micro-batch would silently get the same
-    key. Other arguments after the batch are passed unchanged to every
-    micro-batch. Aux outputs are averaged, so they should be per-batch
-    statistics (accuracy, a mean norm); per-example aux outputs are not
-    concatenated.
+    dropout masks differ between micro-batches. Where ``loss_fn``'s
+    signature shows the parameter, the key is found by position and by
+    keyword alike; where it hides it (``*args, **kwargs``: a decorator
+    without ``functools.wraps``), a call that may pass the key the other
+    way raises a ValueError rather than give every micro-batch the same key.
+    Without ``key_argnum`` a parameter literally named ``key`` in
+    ``loss_fn``'s signature is still used, with a DeprecationWarning: a
+    decorator without ``functools.wraps`` hides the signature and every
+    micro-batch would silently get the same key. Other arguments after the
+    batch are passed unchanged to every micro-batch. Aux outputs are
+    averaged, so they should be per-batch statistics (accuracy, a mean
+    norm); per-example aux outputs are not concatenated. A Python number in
+    aux (``batch.shape[0]``) is averaged as a 0-d array, as
+    ``jax.value_and_grad`` would take it.
+
+    Sharded parameters under ``jax.jit``, with or without ``data_axis``: on
+    an Explicit mesh the accumulators and the gradients have the
+    parameters' sharding (FSDP ``P("data", None)``, tensor-parallel
+    ``P(None, "model")``); on an Auto mesh XLA places them.
 
     Data parallelism under ``jax.jit`` (``data_axis``): with a mesh set by
     ``jax.set_mesh`` (Explicit or Auto axes) and the batch sharded along its
@@ -104,12 +115,15 @@ def microbatched_value_and_grad(
 
     ``unreduced_grads=True`` (Explicit mesh only) skips the gradient
     reduction: the gradients come back typed unreduced over ``data_axis``
-    (``P(..., unreduced={data_axis})``: each device holds its weighted share
+    (each device holds its weighted share
     ``sum_i w_di grads_di / sum_di w_di``, the sum over devices is the
     gradient), so an accumulator that keeps unreduced gradients can add
     several steps and reduce once per window; only the loss and the total
-    weight (scalars) are all-reduced. Leaves reduce-scattered per
-    micro-batch (``gather_params_once=False``) come back reduced.
+    weight (scalars) are all-reduced. A gradient keeps its parameter's
+    partitions over the other mesh axes (``P(None, "model",
+    unreduced={"data"})`` for a tensor-parallel weight) and is whole along
+    ``data_axis``. Leaves reduce-scattered per micro-batch
+    (``gather_params_once=False``) come back reduced.
 
     ``return_noise_scale=True`` adds a third output, a
     `NoiseScaleEstimate` of this step: ``|G|^2``, ``tr(S)`` and
@@ -165,6 +179,8 @@ def microbatched_value_and_grad(
         a micro-batch, e.g. its number of valid tokens.
       accumulator_dtype: floating dtype of the running sums (float32 by
         default, so bfloat16 gradients are summed without losing bits).
+        Complex leaves are summed in the complex dtype of at least that
+        precision (complex64 for float32 and below).
       key_argnum: None, the position (an integer >= 2) of the PRNG key among
         ``loss_fn``'s arguments, or its keyword name.
       data_axis: None, or the name of the mesh axis the batch is sharded
@@ -192,7 +208,9 @@ def microbatched_value_and_grad(
         ``data_axis`` size) does not divide the batch size, a batch leaf has
         no batch axis or disagrees with the others on its size,
         ``weight_fn`` does not return a scalar, ``data_axis`` is not an axis
-        of the current mesh, or ``unreduced_grads`` is used on an Auto axis.
+        of the current mesh, ``unreduced_grads`` is used on an Auto axis, or
+        the key may be among arguments ``loss_fn``'s signature hides (see
+        PRNG keys above).
     """
     if not callable(loss_fn):
         raise ValueError(f"`loss_fn` must be callable, got {loss_fn!r}.")
