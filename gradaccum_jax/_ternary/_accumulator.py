@@ -7,10 +7,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _tree
 from gradaccum_jax._accumulation import (
     AccumulationTransformation,
     MultiSteps,
@@ -95,8 +94,8 @@ def _ternary_window_accumulator(
     def init(params):
         def code_sum_init(param):
             if is_compressed(param, min_size):
-                return jnp.zeros(np.shape(param), code_sum_dtype)
-            return jnp.zeros(np.shape(param), jnp.float32)
+                return _tree.zeros_like(param, code_sum_dtype)
+            return _tree.zeros_like(param, jnp.float32)
 
         def scale_init(param):
             if is_compressed(param, min_size):
@@ -133,7 +132,7 @@ def _ternary_window_accumulator(
                 grad.astype(jnp.float32), clip_sigma, weight
             )
             new_scale = poison_if_nonfinite(finite, jnp.maximum(scale, step_scale))
-            random_bits = _random.bits(_random.stream(acc.key, index), value.shape)
+            random_bits = _random.bits(_random.stream(acc.key, index), value)
             kept = _rescale(code_sum, scale, new_scale, random_bits)
             # One draw serves both roundings: each stays unbiased on its own,
             # and mirroring the bits where v > 0 makes the covariance of the
@@ -189,8 +188,8 @@ def _ternary_window_accumulator(
     def reset(acc):
         return TernaryAccumulatorState(
             acc.key,
-            jax.tree.map(jnp.zeros_like, acc.code_sums),
-            jax.tree.map(jnp.zeros_like, acc.scales),
+            jax.tree.map(_tree.zeros_like, acc.code_sums),
+            jax.tree.map(_tree.zeros_like, acc.scales),
         )
 
     def for_device(acc, device):

@@ -144,7 +144,7 @@ def stochastic_codes(
     x: jax.Array, scale: jax.Array, bound: jax.Array, stream: jax.Array
 ) -> jax.Array:
     """`codes_from_bits` with the draws of a `_random.stream`."""
-    return codes_from_bits(x, scale, bound, _random.bits(stream, x.shape))
+    return codes_from_bits(x, scale, bound, _random.bits(stream, x))
 
 
 def poison_if_nonfinite(finite: jax.Array, scale: jax.Array) -> jax.Array:
