@@ -22,6 +22,7 @@ from gradaccum_jax._ternary._leaves import (
     common_config,
     is_compressed,
     is_masked,
+    real_leaves,
 )
 from gradaccum_jax._ternary._quantize import (
     codes_from_bits,
@@ -92,6 +93,8 @@ def _ternary_window_accumulator(
     """
 
     def init(params):
+        real_leaves(params, "ternary_accumulate: params")
+
         def code_sum_init(param):
             if is_compressed(param, min_size):
                 return _tree.zeros_like(param, code_sum_dtype)
@@ -115,6 +118,7 @@ def _ternary_window_accumulator(
 
     def add(acc, grads, weight):
         _checks.floating_leaves(grads, "ternary_accumulate: gradients")
+        real_leaves(grads, "ternary_accumulate: gradients")
         _checks.same_structure(
             grads, acc.code_sums, "ternary_accumulate: gradients", "the parameters"
         )
@@ -240,6 +244,9 @@ def ternary_accumulate(
     price of the compression is variance: per element and micro-step at
     most ``s * |w g|`` (TernGrad's), plus ``s**2 / 4`` each time the scale
     grows. Leaves smaller than ``min_size`` accumulate exactly in float32.
+    Complex leaves, of any size, are rejected (a ternary code has no
+    imaginary part); sharded leaves (FSDP, tensor parallel) give their
+    unsharded result, with the window and updates sharded alike.
     There is no error feedback: its residual would be a float32 buffer the
     size of the parameters, the memory saved here.
 
