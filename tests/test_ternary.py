@@ -592,6 +592,40 @@ def test_quantizing_integers_is_a_value_error():
         ga.ternary_quantize(jnp.ones(3, jnp.int32))
 
 
+# Each ternary transformation and the prefix of its messages.
+_TRANSFORMS = {
+    "ternarize": lambda: ga.ternarize(0),
+    "ternary_accumulate": lambda: ga.ternary_accumulate(optax.sgd(1.0), 2),
+    "ternary_average_across_devices": lambda: ga.ternary_average_across_devices("i", 0),
+}
+
+
+@pytest.mark.parametrize("leaf", ["w1", "b1"], ids=["compressed", "below-min-size"])
+@pytest.mark.parametrize("name", _TRANSFORMS)
+def test_complex_leaves_are_rejected_naming_the_leaf(name, leaf):
+    """Not cast to float32, which dropped the imaginary part, at any size."""
+    transform = _TRANSFORMS[name]()
+    complex_tree = {**PARAMS, leaf: PARAMS[leaf].astype(jnp.complex64)}
+    message = rf"\['{leaf}'\] has dtype complex64: ternary compression takes real"
+    with pytest.raises(ValueError, match=rf"{name}: params leaf {message}") as error:
+        transform.init(complex_tree)
+    assert "optax.masked" in str(error.value)
+    state = transform.init(PARAMS)
+    with pytest.raises(
+        ValueError, match=rf"{name}: (updates|gradients) leaf {message}"
+    ):
+        transform.update(complex_tree, state)
+
+
+def test_complex_params_of_a_ternary_window_reduction_are_rejected():
+    with pytest.raises(ValueError, match=r"params leaf \['b2'\] has dtype complex64"):
+        ga.ternary_window_reduction(0).init(
+            {**PARAMS, "b2": PARAMS["b2"].astype(jnp.complex64)}
+        )
+    with pytest.raises(ValueError, match="complex array has no ternary code"):
+        ga.ternary_quantize(jnp.ones(3, jnp.complex64), jax.random.key(0))
+
+
 def test_bad_inputs_name_the_leaf():
     transform = ga.ternarize(0)
     state = transform.init(PARAMS)

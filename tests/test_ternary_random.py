@@ -21,9 +21,13 @@ SIZE = 1 << 16
 NUM_DEVICES = 8
 
 
+def _shaped(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
 def _bits(state, leaf=0, device=0, size=SIZE):
     stream = _random.stream(jnp.asarray(state, jnp.uint32), leaf, device)
-    return np.asarray(_random.bits(stream, (size,)))
+    return np.asarray(_random.bits(stream, _shaped(size)))
 
 
 def _uniform(state, leaf=0, device=0, size=SIZE):
@@ -61,7 +65,9 @@ def test_counter_state_is_seed_and_step():
 
 @pytest.mark.parametrize("bits_from", ["top", "low"])
 def test_bits_are_uniform(bits_from):
-    bits = np.asarray(_random.bits(_random.stream(_random.seed_state(0), 0), (SIZE,)))
+    bits = np.asarray(
+        _random.bits(_random.stream(_random.seed_state(0), 0), _shaped(SIZE))
+    )
     byte = bits >> 24 if bits_from == "top" else bits & 0xFF
     _assert_chi_square_plausible(np.bincount(byte, minlength=256))
     # Every one of the 32 bits is set half of the time.
@@ -110,15 +116,15 @@ def test_all_device_pairs_are_uncorrelated():
 
 def test_same_state_gives_the_same_bits_and_shape_is_row_major():
     stream = _random.stream(jnp.array([4, 9], jnp.uint32), 3, 2)
-    flat = _random.bits(stream, (12,))
-    np.testing.assert_array_equal(_random.bits(stream, (3, 4)), flat.reshape(3, 4))
+    flat = _random.bits(stream, _shaped(12))
     np.testing.assert_array_equal(
-        jax.jit(_random.bits, static_argnums=1)(stream, (12,)), flat
+        _random.bits(stream, _shaped(3, 4)), flat.reshape(3, 4)
     )
+    np.testing.assert_array_equal(jax.jit(_random.bits)(stream, jnp.zeros(12)), flat)
 
 
 def test_bernoulli_is_exact_at_the_ends_and_unbiased_between():
-    bits = _random.bits(_random.stream(_random.seed_state(5), 0), (SIZE,))
+    bits = _random.bits(_random.stream(_random.seed_state(5), 0), _shaped(SIZE))
     assert _random.threshold(jnp.float32(1.0)) == 2**24
     assert bool(jnp.all(_random.bernoulli(bits, _random.threshold(jnp.float32(1.0)))))
     assert not bool(

@@ -7,10 +7,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _tree
 from gradaccum_jax._accumulation import (
     AccumulationTransformation,
     MultiSteps,
@@ -23,6 +22,7 @@ from gradaccum_jax._ternary._leaves import (
     common_config,
     is_compressed,
     is_masked,
+    real_leaves,
 )
 from gradaccum_jax._ternary._quantize import (
     codes_from_bits,
@@ -93,10 +93,12 @@ def _ternary_window_accumulator(
     """
 
     def init(params):
+        real_leaves(params, "ternary_accumulate: params")
+
         def code_sum_init(param):
             if is_compressed(param, min_size):
-                return jnp.zeros(np.shape(param), code_sum_dtype)
-            return jnp.zeros(np.shape(param), jnp.float32)
+                return _tree.zeros_like(param, code_sum_dtype)
+            return _tree.zeros_like(param, jnp.float32)
 
         def scale_init(param):
             if is_compressed(param, min_size):
@@ -116,6 +118,7 @@ def _ternary_window_accumulator(
 
     def add(acc, grads, weight):
         _checks.floating_leaves(grads, "ternary_accumulate: gradients")
+        real_leaves(grads, "ternary_accumulate: gradients")
         _checks.same_structure(
             grads, acc.code_sums, "ternary_accumulate: gradients", "the parameters"
         )
@@ -133,7 +136,7 @@ def _ternary_window_accumulator(
                 grad.astype(jnp.float32), clip_sigma, weight
             )
             new_scale = poison_if_nonfinite(finite, jnp.maximum(scale, step_scale))
-            random_bits = _random.bits(_random.stream(acc.key, index), value.shape)
+            random_bits = _random.bits(_random.stream(acc.key, index), value)
             kept = _rescale(code_sum, scale, new_scale, random_bits)
             # One draw serves both roundings: each stays unbiased on its own,
             # and mirroring the bits where v > 0 makes the covariance of the
@@ -189,8 +192,8 @@ def _ternary_window_accumulator(
     def reset(acc):
         return TernaryAccumulatorState(
             acc.key,
-            jax.tree.map(jnp.zeros_like, acc.code_sums),
-            jax.tree.map(jnp.zeros_like, acc.scales),
+            jax.tree.map(_tree.zeros_like, acc.code_sums),
+            jax.tree.map(_tree.zeros_like, acc.scales),
         )
 
     def for_device(acc, device):
@@ -241,6 +244,9 @@ def ternary_accumulate(
     price of the compression is variance: per element and micro-step at
     most ``s * |w g|`` (TernGrad's), plus ``s**2 / 4`` each time the scale
     grows. Leaves smaller than ``min_size`` accumulate exactly in float32.
+    Complex leaves, of any size, are rejected (a ternary code has no
+    imaginary part); sharded leaves (FSDP, tensor parallel) give their
+    unsharded result, with the window and updates sharded alike.
     There is no error feedback: its residual would be a float32 buffer the
     size of the parameters, the memory saved here.
 

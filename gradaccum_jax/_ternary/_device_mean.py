@@ -22,6 +22,7 @@ from gradaccum_jax._ternary._leaves import (
     common_config,
     is_compressed,
     is_masked,
+    real_leaves,
 )
 from gradaccum_jax._ternary._quantize import (
     clip,
@@ -168,7 +169,8 @@ def ternary_average_across_devices(
     `packed_psum`), plus one float32 pmax for all compressed leaves' scales
     and one float32 psum for the leaves smaller than ``min_size`` (averaged
     exactly) and the weight: three all-reduces per step in all. A device
-    whose weight is 0 contributes nothing, even NaN gradients.
+    whose weight is 0 contributes nothing, even NaN gradients. Complex
+    leaves, of any size, are rejected.
 
     With ``error_feedback`` (Karimireddy et al., ICML 2019) each device keeps
     its own residual in float32 for the next step: its clipping error
@@ -205,6 +207,7 @@ def ternary_average_across_devices(
     keep_residual = keeps_residual(error_feedback, True, clip_sigma)
 
     def init_fn(params):
+        real_leaves(params, f"{caller}: params")
         return TernaryState(
             _random.seed_state(seed), residual_init(params, min_size, keep_residual)
         )

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gradaccum_jax import _tree
 from gradaccum_jax._ternary._leaves import NoResidual, is_compressed
 
 
@@ -61,7 +62,7 @@ def residual_init(params: Any, min_size: int, keep_residual: bool) -> Any:
 
     def leaf_init(param):
         if keep_residual and is_compressed(param, min_size):
-            return jnp.zeros(np.shape(param), jnp.float32)
+            return _tree.zeros_like(param, jnp.float32)
         return NoResidual(tuple(np.shape(param)))
 
     return jax.tree.map(leaf_init, params)

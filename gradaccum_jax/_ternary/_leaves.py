@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -52,6 +53,32 @@ class NoResidual:
     shape: tuple[int, ...]
 
 
+def real_leaves(tree: Any, what: str) -> None:
+    """Raises, naming the leaf, if any leaf of ``tree`` is complex.
+
+    A ternary code is a sign and a real scale: a complex value has neither,
+    and casting it to float32 silently drops its imaginary part. Every
+    complex leaf is rejected, whatever its size: `ternary_accumulate` and
+    the device mean keep leaves below ``min_size`` in float32 too, and an
+    error that appeared only once a leaf grew past ``min_size`` would be a
+    surprise.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise ValueError(
+                f"{what} leaf {jax.tree_util.keystr(path)} has dtype "
+                f"{dtype.name}: ternary compression takes real floating-point "
+                "leaves only (float32, bfloat16, float16, ...), since a complex "
+                "value has no sign to round to and its imaginary part would be "
+                "lost. Keep complex leaves out of it (optax.masked, "
+                "optax.multi_transform) and give them an uncompressed "
+                "transformation (accumulate or MultiSteps for a window, "
+                "average_across_devices for a mean), or split each into its "
+                "real and imaginary parts."
+            )
+
+
 def is_masked(node: Any) -> bool:
     """Whether a state slot holds no array (`NoResidual` or ``MaskedNode``)."""
     return isinstance(node, optax.MaskedNode | NoResidual)
@@ -73,6 +100,7 @@ def check_updates(
     ``min_size`` would have no residual to use.
     """
     _checks.floating_leaves(updates, f"{caller}: updates")
+    real_leaves(updates, f"{caller}: updates")
     _checks.same_structure(
         updates,
         template,

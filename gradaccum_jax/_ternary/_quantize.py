@@ -144,7 +144,7 @@ def stochastic_codes(
     x: jax.Array, scale: jax.Array, bound: jax.Array, stream: jax.Array
 ) -> jax.Array:
     """`codes_from_bits` with the draws of a `_random.stream`."""
-    return codes_from_bits(x, scale, bound, _random.bits(stream, x.shape))
+    return codes_from_bits(x, scale, bound, _random.bits(stream, x))
 
 
 def poison_if_nonfinite(finite: jax.Array, scale: jax.Array) -> jax.Array:
@@ -205,6 +205,13 @@ def ternary_quantize(
     """
     clip_sigma = validate_clip_sigma(clip_sigma)
     x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise ValueError(
+            f"ternary_quantize: `x` has dtype {x.dtype.name}: a complex array "
+            "has no ternary code (a sign and a real scale), and casting it to "
+            "float32 would drop its imaginary part. Quantize jnp.real(x) and "
+            "jnp.imag(x) separately."
+        )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(
             f"ternary_quantize: `x` must be a floating-point array, got dtype "

@@ -31,11 +31,14 @@ has 2**-23). In integer arithmetic, exact: no float uniform is formed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from gradaccum_jax import _tree
 
 # Resolution of a Bernoulli draw: the top PROBABILITY_BITS bits of a hash.
 PROBABILITY_BITS = 24
@@ -95,15 +98,47 @@ def stream_from_key(key: jax.Array) -> jax.Array:
     return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """32 random bits per element of ``shape``, from a `stream` ``key``.
+def bits(key: jax.Array, like: Any) -> jax.Array:
+    """32 random bits per element of ``like``, from a `stream` ``key``.
 
-    Elements are numbered in row-major order, so a leaf has at most 2**32
-    elements.
+    ``like`` is an array, tracer or ``jax.ShapeDtypeStruct``: the bits take
+    its shape and its explicit-sharding partitions, so that an FSDP leaf
+    (``f32[64@data,8]``) gets bits sharded like itself, each device hashing
+    only its own block. Elements are numbered by their global row-major
+    index, so the bits do not depend on the sharding, and a leaf has at most
+    2**32 elements.
     """
-    size = int(np.prod(shape, dtype=np.int64))
-    index = jax.lax.iota(jnp.uint32, size).reshape(shape)
-    return mix((index ^ key[0]) * _PHI + key[1])
+    return mix((element_index(like) ^ key[0]) * _PHI + key[1])
+
+
+def element_index(like: Any) -> jax.Array:
+    """The row-major index of each element of ``like``, uint32, sharded like it.
+
+    A sum of one iota per dimension rather than ``iota(size).reshape``: a
+    reshape cannot keep a partitioned dimension, and each device then builds
+    only its own block of indices (XLA fuses the sum into its consumer).
+    """
+    shape = tuple(like.shape)
+    sharding = _partitioned_sharding(like)
+    terms, stride = [], 1
+    for dim in reversed(range(len(shape))):
+        if shape[dim] > 1:
+            iota = jax.lax.broadcasted_iota(
+                jnp.uint32, shape, dim, out_sharding=sharding
+            )
+            terms.append(iota * jnp.uint32(stride) if stride > 1 else iota)
+        stride *= shape[dim]
+    if not terms:  # a single element
+        return jnp.zeros(shape, jnp.uint32, out_sharding=sharding)
+    return functools.reduce(jnp.add, terms)
+
+
+def _partitioned_sharding(like: Any) -> Any:
+    """``like``'s sharding if it has explicit partitions, else None."""
+    if not any(part is not None for part in _tree.partitions(like)):
+        return None
+    aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
+    return aval.sharding
 
 
 def threshold(probability: jax.Array) -> jax.Array:

@@ -19,6 +19,7 @@ from gradaccum_jax._ternary._leaves import (
     common_config,
     is_compressed,
     is_masked,
+    real_leaves,
 )
 from gradaccum_jax._ternary._quantize import (
     clip,
@@ -44,7 +45,10 @@ def ternarize(
     ``ternary_dequantize(*ternary_quantize(x, key, clip_sigma=clip_sigma))``
     (TernGrad's stochastic rounding, Wen et al., NeurIPS 2017, or TWN's
     threshold with ``stochastic=False``), in the update's dtype; smaller
-    leaves pass through unchanged.
+    leaves pass through unchanged. Leaves must be real floating point:
+    complex ones, of any size, are rejected (a ternary code has no
+    imaginary part); sharded leaves give their unsharded result, sharded
+    alike.
 
     With ``error_feedback`` (Karimireddy et al., ICML 2019), ``x`` is the
     update plus the previous residual, and the new residual, kept in
@@ -82,6 +86,7 @@ def ternarize(
     keep_residual = keeps_residual(error_feedback, stochastic, clip_sigma)
 
     def init_fn(params):
+        real_leaves(params, "ternarize: params")
         return TernaryState(
             _random.seed_state(seed), residual_init(params, min_size, keep_residual)
         )

@@ -8,7 +8,11 @@ from gradaccum_jax import _partials
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._device_mean import ternary_average_across_devices
 from gradaccum_jax._ternary._error_feedback import TernaryState, residual_init
-from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE, common_config
+from gradaccum_jax._ternary._leaves import (
+    DEFAULT_MIN_SIZE,
+    common_config,
+    real_leaves,
+)
 
 
 def ternary_window_reduction(
@@ -68,7 +72,7 @@ def ternary_window_reduction(
     min_size = max(min_size, 2)
 
     def init_fn(params):
-        del params
+        real_leaves(params, "ternary_window_reduction: params")
         return _random.seed_state(seed)
 
     def reduce_fn(terms, axes, key):

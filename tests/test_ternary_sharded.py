@@ -1,0 +1,137 @@
+"""Ternary compression of sharded parameters (explicit sharding).
+
+FSDP (``P("data", None)``) and tensor-parallel (``P(None, "model")``)
+leaves must give what the same computation gives on one device with the
+same seed: the random bits hash each element's global index, not its place
+in a shard. Reductions over a sharded leaf add in another order, so scales
+may differ in their last bit; codes are compared exactly, values to float32
+rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+from gradaccum_jax._ternary import _random
+
+# (mesh shape, mesh axes, the weight's spec, the bias's spec, dtype)
+LAYOUTS = {
+    "fsdp": ((8,), ("data",), P("data", None), P("data"), jnp.float32),
+    "fsdp-2d": ((4, 2), ("data", "model"), P("data", None), P("data"), jnp.float32),
+    "tensor-parallel": (
+        (4, 2),
+        ("data", "model"),
+        P(None, "model"),
+        P(None),
+        jnp.float32,
+    ),
+    "fsdp-bfloat16": ((8,), ("data",), P("data", None), P("data"), jnp.bfloat16),
+}
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+def _tree(seed, dtype):
+    """A compressed weight and a bias below ``min_size`` (kept exact)."""
+    rng = np.random.default_rng(seed)
+    return {
+        "w": jnp.asarray(rng.standard_normal((16, 32)), dtype),
+        "b": jnp.asarray(rng.standard_normal(8), dtype),
+    }
+
+
+def _transforms():
+    return {
+        "ternarize": ga.ternarize(3),
+        "accumulate": ga.ternary_accumulate(optax.sgd(1.0), 2, seed=3),
+    }
+
+
+def _run(tx, place, dtype):
+    """Two updates; what each returned, and the state after the first."""
+    params = place(_tree(0, dtype))
+    update = jax.jit(tx.update)
+    first, state = update(place(_tree(1, dtype)), tx.init(params), params)
+    second, _ = update(place(_tree(2, dtype)), state, params)
+    return (first, second), state
+
+
+@functools.cache
+def _unsharded(dtype):
+    return {
+        name: _run(tx, lambda tree: tree, dtype) for name, tx in _transforms().items()
+    }
+
+
+def _specs(tree):
+    """Each leaf's partitions, one per dimension (``P()`` is ``P(None)``)."""
+
+    def padded(leaf):
+        spec = tuple(leaf.sharding.spec)
+        return P(*spec, *[None] * (leaf.ndim - len(spec)))
+
+    return jax.tree.map(padded, tree)
+
+
+def _assert_same_values(actual, expected):
+    """The same signs (codes), the same values up to the scales' rounding.
+
+    A clipping residual ``x - bound`` is off by the bound's error: a few
+    float32 ulps of ~2.5 (2.4e-7 each) for these unit-variance leaves.
+    """
+    for leaf, wanted in zip(
+        jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+    ):
+        leaf, wanted = np.asarray(leaf, np.float32), np.asarray(wanted, np.float32)
+        np.testing.assert_array_equal(np.sign(leaf), np.sign(wanted))
+        np.testing.assert_allclose(leaf, wanted, rtol=1e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_params_give_the_unsharded_result_sharded_alike(layout):
+    mesh_shape, names, w_spec, b_spec, dtype = LAYOUTS[layout]
+    specs = {"w": w_spec, "b": b_spec}
+    expected = _unsharded(dtype)
+    with jax.set_mesh(_mesh(mesh_shape, names)):
+        place = functools.partial(jax.device_put, device=specs)
+        for name, tx in _transforms().items():
+            updates, state = _run(tx, place, dtype)
+            want_updates, want_state = expected[name]
+            for got, want in zip(updates, want_updates, strict=True):
+                assert _specs(got) == specs, name
+                assert jax.tree.map(jnp.result_type, got) == {"w": dtype, "b": dtype}
+                _assert_same_values(got, want)
+            if name == "ternarize":
+                assert _specs(state.residual["w"]) == w_spec
+                _assert_same_values(state.residual, want_state.residual)
+            else:
+                window = state.acc_grads
+                assert _specs(window.code_sums) == specs
+                np.testing.assert_array_equal(
+                    window.code_sums["w"], want_state.acc_grads.code_sums["w"]
+                )
+                _assert_same_values(window, want_state.acc_grads)
+
+
+def test_random_bits_are_sharded_like_the_leaf_and_do_not_depend_on_it():
+    stream = _random.stream(_random.seed_state(7), 2)
+    leaf = jnp.zeros((16, 32))
+    expected = np.asarray(_random.bits(stream, leaf))
+    specs = (P("data", None), P(None, "model"), P("data", "model"), P(None, "data"))
+    with jax.set_mesh(_mesh((4, 2), ("data", "model"))):
+        leaves = [jax.device_put(leaf, spec) for spec in specs]
+        bits = jax.jit(lambda leaves: [_random.bits(stream, x) for x in leaves])(leaves)
+    for spec, sharded in zip(specs, bits, strict=True):
+        assert sharded.sharding.spec == spec
+        np.testing.assert_array_equal(sharded, expected, err_msg=str(spec))
