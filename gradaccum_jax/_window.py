@@ -123,6 +123,7 @@ def per_device_accumulator(
                 )
 
         jax.tree_util.tree_map_with_path(check, grads)
+        _check_device_count(acc, axes)
 
         def local_add(window, grads, weight):
             if weighted:  # w_d g_d already: add once, or not at all
@@ -137,14 +138,41 @@ def per_device_accumulator(
         )
 
     def total(acc):
+        _check_device_count(acc, axes)
         return _partials.over_devices(accumulator.total, axes, "s", "t")(acc.local)
 
     def reset(acc):
+        _check_device_count(acc, axes)
         return PerDeviceWindow(
             _partials.over_devices(accumulator.reset, axes, "s", "s")(acc.local)
         )
 
     return WindowAccumulator(init, add, total, reset)
+
+
+def _check_device_count(acc: PerDeviceWindow, axes: frozenset[str]) -> None:
+    """Raises unless ``acc`` holds one window per device of the mesh axis.
+
+    A state saved on one number of devices and restored on another would
+    otherwise fail deep inside the engine (a select of shapes (4, 2) and
+    (8, 2)), or, sharded evenly, silently keep every other device's window.
+    """
+    (axis,) = axes
+    saved = jnp.shape(acc.local_devices)[0]
+    devices = jax.sharding.get_abstract_mesh().shape.get(axis, saved)
+    if saved != devices:
+        raise ValueError(
+            f"The accumulator state holds the windows of {saved} devices (one "
+            f"per device, stacked on a leading axis), but mesh axis {axis!r} "
+            f"has {devices} devices. Each device keeps its own window (its own "
+            "ternary code sums and scales), which cannot be split or merged "
+            "over another number of devices; `reduce_window` does not help "
+            "(it reduces the window's weight, not the per-device windows). "
+            f"Restore the state on a mesh whose {axis!r} axis has {saved} "
+            "devices, or drop the partial window under the new mesh: "
+            "`state = opt.reset(state._replace(acc_grads=opt.init(params)"
+            ".acc_grads))`."
+        )
 
 
 def float_accumulator(

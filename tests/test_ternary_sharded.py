@@ -135,3 +135,56 @@ def test_random_bits_are_sharded_like_the_leaf_and_do_not_depend_on_it():
     for spec, sharded in zip(specs, bits, strict=True):
         assert sharded.sharding.spec == spec
         np.testing.assert_array_equal(sharded, expected, err_msg=str(spec))
+
+
+# --- a per-device window restored on another number of devices -----------
+
+
+def _per_device_step(opt):
+    grad_fn = ga.local_value_and_grad(
+        lambda params, x: jnp.mean(jnp.tanh(x @ params["w"])), "data"
+    )
+
+    def step(params, state, x):
+        return opt.update(grad_fn(params, x)[1], state, params)
+
+    return jax.jit(step)
+
+
+@pytest.mark.parametrize(
+    "axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"]
+)
+def test_a_per_device_window_restored_on_fewer_devices_is_a_clear_error(axis_type):
+    opt = ga.ternary_accumulate(optax.sgd(1.0), 3, unreduced_axes="data")
+    params, x = _tree(0, jnp.float32), np.ones((16, 16), np.float32)
+
+    def on_devices(count):
+        devices = jax.devices()[:count]
+        return jax.set_mesh(
+            jax.make_mesh((count,), ("data",), (axis_type,), devices=devices)
+        )
+
+    with on_devices(8):
+        state = jax.jit(opt.init)(params)
+        _, state = _per_device_step(opt)(params, state, jax.device_put(x, P("data")))
+        saved = jax.device_get(jax.jit(opt.reduce_window)(state))
+    with on_devices(4):
+        restored = jax.device_put(saved, P())
+        restored = restored._replace(
+            acc_grads=jax.device_put(saved.acc_grads, P("data"))
+        )
+        message = (
+            r"holds the windows of 8 devices .* mesh axis 'data' has 4 devices"
+            r"(.|\n)*reduce_window` does not help(.|\n)*has 8 devices, or drop"
+        )
+        step = _per_device_step(opt)
+        with pytest.raises(ValueError, match=message):
+            step(params, restored, jax.device_put(x, P("data")))
+        for method in (opt.flush, opt.reset):
+            with pytest.raises(ValueError, match=message):
+                method(restored)
+        # What the message proposes: a fresh window for these 4 devices.
+        fresh = opt.reset(restored._replace(acc_grads=opt.init(params).acc_grads))
+        _, fresh = step(params, fresh, jax.device_put(x, P("data")))
+        assert fresh.acc_grads.local.code_sums["w"].shape == (4, 16, 32)
+        assert int(fresh.mini_step) == 1

@@ -275,7 +275,8 @@ def ternary_accumulate(
         on a mesh). Each device then keeps its own ternary window (its own
         code sums, scales and random stream), stacked on a leading axis of
         size ``n_devices`` sharded over that axis: 1 byte per parameter per
-        device, a plain array that jit returns and checkpoints take as is.
+        device, a plain array that jit returns and checkpoints take as is
+        (restored on as many devices: windows cannot be split or merged).
         A micro-step adds each device's term to its window with no
         collective; the emitting call decodes each device's window and
         reduces the decoded sums and the window weight in one fused
