@@ -86,13 +86,14 @@ def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
     array's own sharding knows its mesh.
     """
     sharding = getattr(leaf, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
     if (
         isinstance(leaf, jax.Array)
         and not isinstance(leaf, jax.core.Tracer)
-        and isinstance(sharding, jax.sharding.NamedSharding)
+        and isinstance(mesh, jax.sharding.Mesh)
         and jax.sharding.get_abstract_mesh().empty
     ):
-        return jax.set_mesh(sharding.mesh)
+        return jax.set_mesh(mesh)
     return contextlib.nullcontext()
 
 
