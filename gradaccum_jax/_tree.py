@@ -169,19 +169,21 @@ def stacked_as_unreduced(tree: Any, axis: str) -> Any:
 
     ``tree``'s leaves have a leading axis of the size of mesh ``axis``,
     sharded over it: row ``d`` is device ``d``'s term. Each comes out
-    shaped without it, unreduced over ``axis``, with its other partitions
-    (a tensor-parallel ``model`` axis) kept. No data moves: each device
-    reinterprets its own row. (Manual over every mesh axis because JAX
-    accepts unreduced out_specs only in full manual mode.)
+    shaped without it, typed unreduced over ``axis``, with its other
+    partitions (a tensor-parallel ``model`` axis) kept: a sum over the
+    leading axis whose result stays unreduced, so each device keeps its own
+    row and no data moves. (Not a ``shard_map`` with unreduced out_specs
+    over ``axis`` alone: JAX accepts those only when every mesh axis is
+    manual, and a step that leaves ``model`` to the compiler is not.)
     """
 
-    def as_term(leaf):
+    def as_term(leaf: jax.Array) -> jax.Array:
         rest = partitions(leaf)[1:]
-        return jax.shard_map(
-            lambda x: jax.lax.pcast(x[0], (axis,), to="unreduced"),
-            in_specs=jax.sharding.PartitionSpec(axis, *rest),
-            out_specs=jax.sharding.PartitionSpec(*rest, unreduced={axis}),
-        )(leaf)
+        return jax.lax.reduce_sum(
+            leaf,
+            (0,),
+            out_sharding=jax.sharding.PartitionSpec(*rest, unreduced={axis}),
+        )
 
     return jax.tree.map(as_term, tree)
 

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._microbatching._scan import weighted_means
-from gradaccum_jax._tree import vary_over
+from gradaccum_jax._tree import stacked_as_unreduced, vary_over
 
 
 class DataLayout(NamedTuple):
@@ -162,7 +162,7 @@ def over_data_axis(local_sums, layout, params, batch, args, kwargs):
         )
         if layout.unreduced:
             # Each device's term, stacked along a new leading axis sharded
-            # over the data axis; `_stacked_as_unreduced` retypes the stack.
+            # over the data axis; `stacked_as_unreduced` retypes the stack.
             grads = jax.tree.map(
                 lambda g, dim: g if dim is not None else g[None],
                 grads,
@@ -207,7 +207,7 @@ def _final_grads(grads: Any, params: Any, layout: DataLayout) -> Any:
     if layout.unreduced:
         return jax.tree.map(
             lambda g, dim: (
-                g if dim is not None else _stacked_as_unreduced(g, layout.axis)
+                g if dim is not None else stacked_as_unreduced(g, layout.axis)
             ),
             grads,
             layout.gather_dims,
@@ -223,22 +223,6 @@ def _final_grads(grads: Any, params: Any, layout: DataLayout) -> Any:
             params,
         )
     return grads
-
-
-def _stacked_as_unreduced(stacked: jax.Array, axis: str) -> jax.Array:
-    """The sum of ``stacked``'s per-device terms (its leading axis, sharded
-    over ``axis``), typed unreduced over ``axis``: each device keeps its own
-    term and nothing moves. The other partitions (tensor parallelism) stay.
-
-    Not ``out_specs=P(unreduced={axis})`` on the step's ``shard_map``: jax
-    accepts unreduced ``out_specs`` only when every mesh axis is manual
-    (``NotImplementedError`` on a data x model mesh), while the step leaves
-    the other axes to the compiler so that the loss sees whole arrays.
-    """
-    spec = jax.typeof(stacked).sharding.spec
-    return jax.lax.reduce_sum(
-        stacked, (0,), out_sharding=P(*spec[1:], unreduced={axis})
-    )
 
 
 def _gathered(leaf: jax.Array, axis: str) -> jax.Array:
