@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax._microbatching._scan import weighted_means
-from gradaccum_jax._tree import stacked_as_unreduced, vary_over
+from gradaccum_jax._tree import mesh_axes_of, stacked_as_unreduced, vary_over
 
 
 class DataLayout(NamedTuple):
@@ -114,12 +114,7 @@ def _reduce_scatter(leaf: jax.Array, axis: str, dim: int) -> jax.Array:
         jax.lax.psum_scatter, axis_name=axis, scatter_dimension=dim, tiled=True
     )
     spec = jax.typeof(leaf).sharding.spec
-    others = {
-        name
-        for entry in spec
-        for name in (entry if isinstance(entry, tuple) else (entry,))
-        if name is not None
-    }
+    others = set(mesh_axes_of(leaf))
     if not others:
         return scatter(leaf)
     return jax.shard_map(scatter, in_specs=spec, out_specs=spec, axis_names=others)(
