@@ -1,13 +1,12 @@
 """The sdist and the wheel build, pass `twine check`, and the wheel works.
 
 The wheel is installed (not editable, without dependencies) into a fresh
-virtual environment that sees this interpreter's packages
-(``--system-site-packages``: jax and optax are not downloaded again), and
-used from a directory outside the source tree: every public name imports
-from the installed copy, the metadata version is ``__version__``, and the
-demo's command line starts. Builds run without isolation, with the
-setuptools the dev extra installs, so no network is needed; together this
-takes about 20 s.
+virtual environment that then borrows the packages of the interpreter
+running the tests (jax and optax are not downloaded again), and used from a
+directory outside the source tree: every public name imports from the
+installed copy, the metadata version is ``__version__``, and the demo's
+command line starts. Builds run without isolation, with the setuptools the
+dev extra installs, so no network is needed; together this takes about 20 s.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import site
 import subprocess
 import sys
 import tarfile
@@ -73,11 +73,9 @@ def dist(tmp_path_factory) -> pathlib.Path:
 def installed(dist, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     """(python of a fresh venv holding the wheel, a directory outside the tree)."""
     env_dir = tmp_path_factory.mktemp("venv")
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
     (wheel,) = dist.glob("*.whl")
-    # --ignore-installed: the editable checkout in the system site-packages
-    # stays where it is; the venv gets its own copy.
     run(
         [
             sys.executable,
@@ -88,13 +86,33 @@ def installed(dist, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
             "install",
             "--no-deps",
             "--no-index",
-            "--ignore-installed",
             str(wheel),
         ],
         env=clean_env(),
     )
+    purelib = run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        env=clean_env(),
+    ).stdout.strip()
+    borrow_site_packages(pathlib.Path(purelib) / "_borrowed_site_packages.pth")
     outside = tmp_path_factory.mktemp("elsewhere")
     return python, outside
+
+
+def borrow_site_packages(pth: pathlib.Path) -> None:
+    """Lets the venv import this interpreter's installed packages (jax, optax).
+
+    Not ``system_site_packages=True``: that lends the base interpreter's
+    packages, which, when the tests run in a virtualenv, are not the ones
+    installed for them. A ``.pth`` file's lines are appended to ``sys.path``
+    after the venv's own site-packages, so the wheel's copy is the one
+    imported; and a plain directory line does not run that directory's own
+    ``.pth`` files, so an editable install of the source tree stays out.
+    """
+    dirs = site.getsitepackages()
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    pth.write_text("".join(f"{path}\n" for path in dirs if os.path.isdir(path)))
 
 
 def test_sdist_and_wheel_are_built_with_the_package_and_license(dist):
