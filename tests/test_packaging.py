@@ -18,6 +18,7 @@ import site
 import subprocess
 import sys
 import tarfile
+import tomllib
 import venv
 import zipfile
 
@@ -29,6 +30,7 @@ pytest.importorskip("build")
 pytest.importorskip("twine")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+FLOOR_PINS = ROOT / ".ci" / "floor_pins.py"
 TIMEOUT_S = 120
 PROBE = """
 import importlib.metadata, json, sys
@@ -146,8 +148,38 @@ def test_wheel_metadata(dist):
     assert "Name: gradaccum-jax\n" in metadata
     assert f"Version: {version}\n" in metadata
     assert "License-Expression: Apache-2.0\n" in metadata
-    assert "Requires-Dist: optax>=0.2.4\n" in metadata
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = [
+        line.removeprefix("Requires-Dist: ")
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist: ") and "extra ==" not in line
+    ]
+    assert required == declared["dependencies"]
     assert "Description-Content-Type: text/markdown\n" in metadata
+
+
+def test_floor_pins_pin_each_core_dependency_at_its_declared_floor():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    result = run([sys.executable, str(FLOOR_PINS)])
+    assert result.stdout.split() == [
+        requirement.replace(">=", "==") for requirement in declared["dependencies"]
+    ]
+
+
+def test_floor_pins_reject_a_core_dependency_without_one_floor(tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["jax>=0.10.2", "optax<0.3"]\n')
+    result = subprocess.run(
+        [sys.executable, str(FLOOR_PINS), str(pyproject)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 1
+    assert "core dependency 'optax<0.3' is not of the form 'name>=version'" in (
+        result.stderr
+    )
+    assert result.stdout == ""
 
 
 def test_twine_check_passes(dist):
