@@ -1,13 +1,12 @@
 """The sdist and the wheel build, pass `twine check`, and the wheel works.
 
 The wheel is installed (not editable, without dependencies) into a fresh
-virtual environment that sees this interpreter's packages
-(``--system-site-packages``: jax and optax are not downloaded again), and
-used from a directory outside the source tree: every public name imports
-from the installed copy, the metadata version is ``__version__``, and the
-demo's command line starts. Builds run without isolation, with the
-setuptools the dev extra installs, so no network is needed; together this
-takes about 20 s.
+virtual environment that then borrows the packages of the interpreter
+running the tests (jax and optax are not downloaded again), and used from a
+directory outside the source tree: every public name imports from the
+installed copy, the metadata version is ``__version__``, and the demo's
+command line starts. Builds run without isolation, with the setuptools the
+dev extra installs, so no network is needed; together this takes about 20 s.
 """
 
 from __future__ import annotations
@@ -15,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import site
 import subprocess
 import sys
 import tarfile
+import tomllib
 import venv
 import zipfile
 
@@ -29,6 +30,7 @@ pytest.importorskip("build")
 pytest.importorskip("twine")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+FLOOR_PINS = ROOT / ".ci" / "floor_pins.py"
 TIMEOUT_S = 120
 PROBE = """
 import importlib.metadata, json, sys
@@ -73,11 +75,9 @@ def dist(tmp_path_factory) -> pathlib.Path:
 def installed(dist, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     """(python of a fresh venv holding the wheel, a directory outside the tree)."""
     env_dir = tmp_path_factory.mktemp("venv")
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
     (wheel,) = dist.glob("*.whl")
-    # --ignore-installed: the editable checkout in the system site-packages
-    # stays where it is; the venv gets its own copy.
     run(
         [
             sys.executable,
@@ -88,13 +88,33 @@ def installed(dist, tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
             "install",
             "--no-deps",
             "--no-index",
-            "--ignore-installed",
             str(wheel),
         ],
         env=clean_env(),
     )
+    purelib = run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        env=clean_env(),
+    ).stdout.strip()
+    borrow_site_packages(pathlib.Path(purelib) / "_borrowed_site_packages.pth")
     outside = tmp_path_factory.mktemp("elsewhere")
     return python, outside
+
+
+def borrow_site_packages(pth: pathlib.Path) -> None:
+    """Lets the venv import this interpreter's installed packages (jax, optax).
+
+    Not ``system_site_packages=True``: that lends the base interpreter's
+    packages, which, when the tests run in a virtualenv, are not the ones
+    installed for them. A ``.pth`` file's lines are appended to ``sys.path``
+    after the venv's own site-packages, so the wheel's copy is the one
+    imported; and a plain directory line does not run that directory's own
+    ``.pth`` files, so an editable install of the source tree stays out.
+    """
+    dirs = site.getsitepackages()
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    pth.write_text("".join(f"{path}\n" for path in dirs if os.path.isdir(path)))
 
 
 def test_sdist_and_wheel_are_built_with_the_package_and_license(dist):
@@ -128,8 +148,38 @@ def test_wheel_metadata(dist):
     assert "Name: gradaccum-jax\n" in metadata
     assert f"Version: {version}\n" in metadata
     assert "License-Expression: Apache-2.0\n" in metadata
-    assert "Requires-Dist: optax>=0.2.4\n" in metadata
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = [
+        line.removeprefix("Requires-Dist: ")
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist: ") and "extra ==" not in line
+    ]
+    assert required == declared["dependencies"]
     assert "Description-Content-Type: text/markdown\n" in metadata
+
+
+def test_floor_pins_pin_each_core_dependency_at_its_declared_floor():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    result = run([sys.executable, str(FLOOR_PINS)])
+    assert result.stdout.split() == [
+        requirement.replace(">=", "==") for requirement in declared["dependencies"]
+    ]
+
+
+def test_floor_pins_reject_a_core_dependency_without_one_floor(tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["jax>=0.10.2", "optax<0.3"]\n')
+    result = subprocess.run(
+        [sys.executable, str(FLOOR_PINS), str(pyproject)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 1
+    assert "core dependency 'optax<0.3' is not of the form 'name>=version'" in (
+        result.stderr
+    )
+    assert result.stdout == ""
 
 
 def test_twine_check_passes(dist):
