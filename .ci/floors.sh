@@ -22,9 +22,6 @@ NOT_CORE=(
   tests/test_readme.py        # README blocks import flax, equinox, sklearn
   tests/test_types.py         # mypy
 )
-# Compares with optax.MultiSteps(accumulator_dtype=), which optax 0.2.8
-# added; the package itself does not need it.
-NEWER_OPTAX_ONLY=tests/test_low_precision.py::test_low_precision_error_is_at_most_optax_error
 
 ignores=()
 for file in "${NOT_CORE[@]}"; do
@@ -44,7 +41,7 @@ echo "floors.sh: core dependencies pinned at their floors:" $(cat "$work/floors.
 "$work/venv/bin/python" -m pip check
 
 "$work/venv/bin/python" -m pytest -p no:cacheprovider \
-  "${ignores[@]}" --deselect "$NEWER_OPTAX_ONLY"
+  "${ignores[@]}"
 
 # The Quickstart: the first python block after "## Quickstart", run as a
 # reader would, without the test suite's XLA_FLAGS.

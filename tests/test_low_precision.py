@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +133,10 @@ def _rms_error(emitted, grads):
     return float(np.sqrt(np.mean(error**2)))
 
 
+@pytest.mark.skipif(
+    "accumulator_dtype" not in inspect.signature(optax.MultiSteps).parameters,
+    reason="optax.MultiSteps(accumulator_dtype=) arrived in optax 0.2.8",
+)
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("random_sign", [False, True])
 @pytest.mark.parametrize("k", [64, 512])
