@@ -32,7 +32,8 @@ def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraA
     gives zero updates, not NaN. Weights must be >= 0.
 
     Updates keep their dtype and are reduced in it, so the collective moves
-    the bytes of the updates (plus one float32 scalar for the total weight).
+    the bytes of the updates (plus one float32 scalar for the total weight);
+    on a CPU, which sums bfloat16 and float16 in float32 anyway, in float32.
     The weighted path scales each update by ``w / psum(w)`` in float32
     before the reduction, so a float16 sum cannot overflow from large
     weights. Other extra arguments are ignored, so it composes
@@ -113,7 +114,7 @@ def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraA
         # JAX's bare "unbound axis name" from inside psum.
         _checks.bound_axis_size(axis_name, "average_across_devices")
         if weight is None:
-            return jax.lax.pmean(updates, axis_name), state
+            return _device_sum(updates, axis_name, mean=True), state
         weight = _weights.scalar_weight(weight, "average_across_devices")
         share, _ = _weights.share(weight, jax.lax.psum(weight, axis_name))
 
@@ -123,6 +124,28 @@ def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraA
             wide = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
             return jnp.where(share != 0, wide * share, 0).astype(leaf.dtype)
 
-        return jax.lax.psum(jax.tree.map(weighted_leaf, updates), axis_name), state
+        return _device_sum(jax.tree.map(weighted_leaf, updates), axis_name), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def _device_sum(tree: Any, axis_name: Any, *, mean: bool = False) -> Any:
+    """``psum`` (or ``pmean``) of every leaf over ``axis_name``, in its dtype.
+
+    On the CPU backend a bfloat16 or float16 leaf is summed in float32 and
+    rounded back: XLA:CPU widens such an all-reduce to float32 itself (its
+    AllReducePromotion pass), so the bytes are the same, and that pass
+    aborts the process ("Invalid binary instruction opcode copy") on the
+    all-reduce of a ``shard_map`` manual over some axes of a 2-D mesh.
+    Elsewhere the collective moves the leaf's own bytes.
+    """
+    reduce = jax.lax.pmean if mean else jax.lax.psum
+    widen = jax.default_backend() == "cpu"
+
+    def leaf_sum(leaf: jax.Array) -> jax.Array:
+        dtype = jnp.result_type(leaf)
+        if widen and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+            return reduce(leaf.astype(jnp.float32), axis_name).astype(dtype)
+        return reduce(leaf, axis_name)
+
+    return jax.tree.map(leaf_sum, tree)

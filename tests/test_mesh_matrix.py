@@ -243,6 +243,45 @@ def microbatched(params, layout):
     return [grads], (loss, count)
 
 
+def average_across_devices(params, layout):
+    """The weighted device mean inside a ``shard_map`` over ``data``."""
+    if layout is None:  # the reference: the whole batch's masked mean
+        tx = optax.sgd(1.0)
+
+        def step(params, state, batch):
+            grads = jax.grad(lambda p: _masked_loss(p, batch)[0])(params)
+            return tx.update(grads, state, params)
+
+    else:
+        tx = optax.chain(ga.average_across_devices("data"), optax.sgd(1.0))
+
+        def local_step(params, state, batch):
+            # Each device's own gradient: differentiated as replicated, the
+            # params' gradient would come out summed over ``data`` already.
+            local = jax.lax.pcast(params, "data", to="varying")
+            (_, count), grads = jax.value_and_grad(_masked_loss, has_aux=True)(
+                local, batch
+            )
+            return tx.update(grads, state, params, weight=count)
+
+        # Manual over ``data`` only: a ``model`` axis stays the compiler's.
+        step = jax.shard_map(
+            local_step,
+            in_specs=(P(), P(), P("data")),
+            out_specs=(P(), P()),
+            axis_names={"data"},
+        )
+    params = _place(params, layout and layout.specs, layout)
+    state = jax.jit(tx.init)(params)
+    outputs = []
+    for batch in _batches(2):
+        updates, state = jax.jit(step)(
+            params, state, _place(batch, _batch_specs(batch), layout)
+        )
+        outputs.append(jax.block_until_ready(updates))
+    return outputs, ()
+
+
 def _unreduced_run(params, layout, weighted: bool):
     """MultiSteps reducing the window once, from per-device gradients."""
     if layout is None:  # the reference: each window's big-batch gradient
@@ -303,6 +342,7 @@ TRANSFORMATIONS: dict[str, Callable[[Any, Any], Any]] = {
         ternary_accumulate,
         ternarize,
         microbatched,
+        average_across_devices,
         unreduced_window,
         unreduced_weighted_window,
     )
@@ -338,6 +378,11 @@ def _on_mesh(name: str, layout: Layout, params):
 def test_sharded_equals_unsharded(name, layout_name, dtype):
     layout = LAYOUTS[layout_name]
     params = _params(DTYPES[dtype])
+    if name == "average_across_devices" and layout.shards_params_over_data:
+        pytest.skip(
+            "a device mean of gradients is data parallelism over replicated "
+            "params; with FSDP params jax.grad reduce-scatters them itself"
+        )
     if name.startswith("unreduced") and layout.shards_params_over_data:
         # A per-device term of an FSDP gradient would be the whole gradient
         # on every device: the window cannot be unreduced over the axis the
