@@ -44,6 +44,7 @@ def test_there_are_notebooks():
         "03_ternary.ipynb",
         "04_microbatching.ipynb",
         "05_noise_scale.ipynb",
+        "06_transformer_lm.ipynb",
     ]
 
 
