@@ -327,6 +327,9 @@ def build_method(name: str, cfg: Config, loss: Callable[..., Any]) -> Method:
     if name == "ternary":
         extra["window_reduction"] = ga.ternary_window_reduction(cfg.seed)
     elif name == "adaptive":
+        # The schedule counts updates: a run that takes more than
+        # ``cfg.updates`` of them ends its cosine early and goes on at the
+        # final rate (a tenth of the peak).
         tokens_per_micro_batch = cfg.batch // cfg.k * cfg.seq_len
         every_k = ga.adaptive_every_k(tokens_per_micro_batch, k_min=2, k_max=cfg.k_max)
     elif name != "multisteps":
@@ -364,6 +367,8 @@ def _window_step(opt: ga.MultiSteps, loss):
 
 @dataclasses.dataclass
 class RunResult:
+    """What one run measured; bytes and memory from its compiled step."""
+
     name: str
     tokens: list[int]  # tokens seen (valid or not) at each evaluation
     val_loss: list[float]
@@ -384,6 +389,7 @@ def _bytes_per_call_and_window(compiled) -> tuple[int, int]:
 
 
 def evaluator(loss, mesh, corpus: Corpus) -> Callable[[Any], float]:
+    """``evaluate(params)``: the mean loss over the validation set's tokens."""
     on_data = NamedSharding(mesh, P("data"))
     tokens = jax.device_put(corpus.val_tokens, on_data)
     mask = jax.device_put(corpus.val_mask, on_data)
