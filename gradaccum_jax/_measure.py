@@ -50,6 +50,16 @@ _HLO_DTYPE_BYTES = {
 }  # fmt: skip
 _HLO_ALL_REDUCE = re.compile(r"=\s*(\(.*?\)|\S+)\s+all-reduce(?:-start)?\(")
 _HLO_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+# Replica groups of one device each, listed ({{0}}, {{0},{1}}) or as an
+# iota ([4,1]<=[4]): such an all-reduce moves no byte between devices.
+_HLO_SINGLE_DEVICE_GROUPS = re.compile(
+    r"replica_groups=(?:\{\{\d+\}(?:,\{\d+\})*\}|\[\d+,1\]<=)"
+)
+
+
+def _moves_data(instruction: str) -> bool:
+    """Whether an all-reduce instruction's groups hold two or more devices."""
+    return not _HLO_SINGLE_DEVICE_GROUPS.search(instruction)
 
 
 def all_reduce_nbytes(compiled: Any) -> int:
@@ -60,7 +70,8 @@ def all_reduce_nbytes(compiled: Any) -> int:
     execution: an all-reduce inside a loop body counts once. A ring
     all-reduce moves about twice that per device, the same factor for every
     dtype, so ratios between programs are ratios of bytes on the wire.
-    Other collectives (all-gather, reduce-scatter) are not counted.
+    Other collectives (all-gather, reduce-scatter) are not counted, nor
+    all-reduces over groups of one device (see `all_reduces`).
 
     Args:
       compiled: ``jax.jit(f).lower(...).compile()`` (or ``jax.pmap``), or
@@ -69,11 +80,7 @@ def all_reduce_nbytes(compiled: Any) -> int:
     Returns:
       The sum over all-reduce ops of the number of bytes of their buffers.
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
-    return sum(
-        _shapes_nbytes(_HLO_SHAPE.findall(match.group(1)), match.group(0))
-        for match in _HLO_ALL_REDUCE.finditer(text)
-    )
+    return sum(reduction.nbytes for reduction in all_reduces(compiled))
 
 
 class AllReduce(NamedTuple):
@@ -109,7 +116,9 @@ def all_reduces(compiled: Any) -> list[AllReduce]:
       compiled: ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
 
     Returns:
-      One `AllReduce` per all-reduce instruction, in program order.
+      One `AllReduce` per all-reduce instruction, in program order; those
+      whose replica groups are single devices (a one-device mesh axis)
+      move nothing and are left out.
     """
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     bodies = set(_HLO_WHILE_BODY.findall(text))
@@ -121,7 +130,7 @@ def all_reduces(compiled: Any) -> list[AllReduce]:
             computation, is_entry = header.group(2), bool(header.group(1))
             continue
         match = _HLO_ALL_REDUCE.search(line)
-        if match:
+        if match and _moves_data(line):
             shapes = _HLO_SHAPE.findall(match.group(1))
             found.append(
                 (computation, is_entry, _shapes_nbytes(shapes, line), len(shapes))

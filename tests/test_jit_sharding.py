@@ -812,3 +812,28 @@ def test_stats_and_reduce_window_work_outside_set_mesh(axis_type):
     reduced = opt.reduce_window(state)
     assert float(reduced.acc_weight) == batch[2].sum()
     assert jax.tree.structure(reduced) == jax.tree.structure(state)
+
+
+def test_all_reduces_leaves_out_groups_of_one_device():
+    """A one-device mesh axis keeps its all-reduces in the HLO; none moves data."""
+    one_device = jax.make_mesh(
+        (1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1]
+    )
+    grad_fn = ga.microbatched_value_and_grad(
+        _mean_loss_of_batch, 2, weight_fn=lambda batch: batch[1].sum(), data_axis="data"
+    )
+    with jax.set_mesh(one_device):
+        params = jax.device_put({"w": jnp.ones((16, 4))}, P())
+        batch = (
+            jax.device_put(jnp.ones((8, 16)), P("data")),
+            jax.device_put(jnp.ones(8), P("data")),
+        )
+        compiled = jax.jit(grad_fn).lower(params, batch).compile()
+    assert "all-reduce(" in compiled.as_text()
+    assert all_reduces(compiled) == []
+    assert ga.all_reduce_nbytes(compiled) == 0
+
+
+def _mean_loss_of_batch(params, batch):
+    x, mask = batch
+    return jnp.sum(mask * jnp.sum((x @ params["w"]) ** 2, axis=-1)) / jnp.sum(mask)
