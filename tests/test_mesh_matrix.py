@@ -197,7 +197,13 @@ def multisteps(params, layout):
         tx, params, _grads(params["w1"].dtype, 3), layout, flush=True
     )
     stats = tx.stats(state)
-    return outputs, (stats.window_fill, stats.gradient_steps)
+    # The noise scale's squared norms sum over every shard of a leaf.
+    return outputs, (
+        stats.window_fill,
+        stats.gradient_steps,
+        stats.grad_sq_norm,
+        stats.noise_trace,
+    )
 
 
 def accumulate_in_chain(params, layout):
