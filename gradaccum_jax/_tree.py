@@ -91,11 +91,21 @@ def zeros_like(leaf: Any, dtype: Any = None) -> jax.Array:
     elif not isinstance(leaf, jax.ShapeDtypeStruct):
         # An array keeps its sharding (an Auto mesh's too); a tracer its type.
         zeros = jnp.zeros_like(leaf, dtype)
-    elif any(part is not None for part in partitions(leaf)):
-        zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=leaf.sharding)
     else:
-        zeros = jnp.zeros(jnp.shape(leaf), dtype)
+        zeros = jnp.zeros(jnp.shape(leaf), dtype, out_sharding=explicit_sharding(leaf))
     return vary_over(zeros, varying_axes(leaf))
+
+
+def explicit_sharding(leaf: Any) -> Any:
+    """``leaf``'s sharding if it has explicit partitions, else None.
+
+    What an array built to match ``leaf`` (``out_sharding=``) needs: an
+    unpartitioned leaf gives None, which works with any mesh or none.
+    """
+    if not any(part is not None for part in partitions(leaf)):
+        return None
+    aval = leaf if isinstance(leaf, jax.ShapeDtypeStruct) else jax.typeof(leaf)
+    return aval.sharding
 
 
 def squared_modulus(x: jax.Array) -> jax.Array:
@@ -114,13 +124,15 @@ def squared_modulus(x: jax.Array) -> jax.Array:
 def accumulation_dtype(leaf: Any, dtype: Any) -> jnp.dtype:
     """The dtype in which a sum of ``leaf``-like values is kept.
 
+    ``leaf``: an array, tracer, ``jax.ShapeDtypeStruct`` or a dtype.
+
     ``dtype`` (the ``accumulator_dtype``, real) for a real leaf; for a
     complex leaf, the complex dtype with at least ``dtype``'s precision
     (complex64 for float32 and narrower, there is no complex bfloat16),
     so the imaginary part is kept.
     """
     dtype = jnp.dtype(dtype)
-    if not jnp.iscomplexobj(leaf):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):
         return dtype
     return jnp.promote_types(dtype, jnp.complex64)
 

@@ -796,10 +796,19 @@ def test_per_device_windows_track_the_noise_scale(any_mesh):
     _assert_same_noise_stats(stats, _one_device_noise_stats(params, windows))
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-def test_stats_and_reduce_window_work_outside_set_mesh(axis_type):
+@pytest.mark.parametrize(
+    ("shape", "axis_type"),
+    [
+        ((N_DEVICES,), AxisType.Explicit),
+        ((N_DEVICES,), AxisType.Auto),
+        ((N_DEVICES // 2, 2), AxisType.Explicit),
+    ],
+    ids=["1d-explicit", "1d-auto", "2d-explicit"],
+)
+def test_stats_and_reduce_window_work_outside_set_mesh(shape, axis_type):
     """A host-side look at a state of per-device terms finds the arrays' mesh."""
-    mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(axis_type,))
+    axes = ("data", "model")[: len(shape)]
+    mesh = jax.make_mesh(shape, axes, axis_types=(axis_type,) * len(shape))
     opt = ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data")
     batch = _micro_batches([16], masked=True)[0]
     with jax.set_mesh(mesh):

@@ -421,3 +421,30 @@ def test_sharded_equals_unsharded(name, layout_name, dtype):
                 ), f"step {step}, leaf {leaf}: {jax.typeof(g)}"
     for want, got in zip(expected_extra, actual_extra, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tolerance)
+
+
+@pytest.mark.parametrize("layout_name", ["2d-fsdp", "2d-tp"])
+def test_complex_params_accumulate_exactly_when_sharded(layout_name):
+    """A complex window on sharded params: imaginary parts kept, sharding too."""
+    layout = LAYOUTS[layout_name]
+    params = jax.tree.map(lambda p: p * (1 + 0.5j), _params(np.complex64))
+    real, imaginary = _grads(np.float32, 2), _grads(np.float32, 3)[1:]
+    grads = [
+        jax.tree.map(lambda re, im: (re + 1j * im).astype(np.complex64), r, i)
+        for r, i in zip(real, imaginary, strict=True)
+    ]
+
+    def run(layout):
+        tx = ga.accumulate(optax.sgd(1.0), K)
+        return _run_updates(tx, params, grads, layout)[0][-1]
+
+    expected = run(None)
+    with jax.set_mesh(layout.mesh()):
+        actual = run(layout)
+    for name, got in actual.items():
+        assert got.dtype == jnp.complex64, name
+        assert np.abs(np.imag(np.asarray(got))).max() > 0.01, name
+        np.testing.assert_allclose(np.asarray(got), expected[name], rtol=1e-6)
+        assert _padded(jax.typeof(got).sharding.spec, got.ndim) == _padded(
+            layout.specs[name], got.ndim
+        ), name

@@ -9,26 +9,17 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _noise_scale, _weights
-from gradaccum_jax._tree import zeros_like
+from gradaccum_jax._tree import accumulation_dtype, zeros_like
 
 if TYPE_CHECKING:
     from gradaccum_jax._microbatching._sharded import ShardedParams
-
-
-def sum_dtype(dtype: Any, accumulator_dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype a leaf of ``dtype`` is summed in: ``accumulator_dtype``, or
-    its complex counterpart for a complex leaf (complex64 for float32 and
-    below, complex128 for float64), so no imaginary part is dropped."""
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.promote_types(accumulator_dtype, jnp.complex64)
-    return jnp.dtype(accumulator_dtype)
 
 
 def as_summand(leaf: Any, accumulator_dtype: jnp.dtype) -> jax.Array:
     """``leaf`` (an array or, as jax treats an aux output, a Python scalar)
     in the dtype it is summed in."""
     leaf = jnp.asarray(leaf)
-    return leaf.astype(sum_dtype(leaf.dtype, accumulator_dtype))
+    return leaf.astype(accumulation_dtype(leaf, accumulator_dtype))
 
 
 def carry_zeros(tree: Any, accumulator_dtype: jnp.dtype) -> Any:
@@ -42,7 +33,9 @@ def carry_zeros(tree: Any, accumulator_dtype: jnp.dtype) -> Any:
     plain zeros are invariant. `zeros_like` keeps both.
     """
     return jax.tree.map(
-        lambda struct: zeros_like(struct, sum_dtype(struct.dtype, accumulator_dtype)),
+        lambda struct: zeros_like(
+            struct, accumulation_dtype(struct, accumulator_dtype)
+        ),
         tree,
     )
 

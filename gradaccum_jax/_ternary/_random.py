@@ -119,7 +119,7 @@ def element_index(like: Any) -> jax.Array:
     only its own block of indices (XLA fuses the sum into its consumer).
     """
     shape = tuple(like.shape)
-    sharding = _partitioned_sharding(like)
+    sharding = _tree.explicit_sharding(like)
     terms, stride = [], 1
     for dim in reversed(range(len(shape))):
         if shape[dim] > 1:
@@ -131,14 +131,6 @@ def element_index(like: Any) -> jax.Array:
     if not terms:  # a single element
         return jnp.zeros(shape, jnp.uint32, out_sharding=sharding)
     return functools.reduce(jnp.add, terms)
-
-
-def _partitioned_sharding(like: Any) -> Any:
-    """``like``'s sharding if it has explicit partitions, else None."""
-    if not any(part is not None for part in _tree.partitions(like)):
-        return None
-    aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
-    return aval.sharding
 
 
 def threshold(probability: jax.Array) -> jax.Array:
