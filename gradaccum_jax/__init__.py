@@ -19,6 +19,10 @@ from gradaccum_jax._accumulation import (
 )
 from gradaccum_jax._window import RunningMean, WindowAccumulator, float_accumulator
 
+# --- the engine's extension protocols (docs/architecture.md) ---
+from gradaccum_jax._partials import TermsLayout, WindowReduction
+from gradaccum_jax._statistic import MicroBatchPosition, WindowStatistic
+
 # --- gradient noise scale ---
 from gradaccum_jax._noise_scale import (
     AdaptiveWindow,
@@ -82,6 +86,7 @@ __all__ = [
     "float_accumulator",
     "global_norm",
     "local_value_and_grad",
+    "MicroBatchPosition",
     "microbatched_value_and_grad",
     "MultiSteps",
     "MultiStepsState",
@@ -100,5 +105,8 @@ __all__ = [
     "ternary_window_reduction",
     "TernaryAccumulatorState",
     "TernaryState",
+    "TermsLayout",
     "WindowAccumulator",
+    "WindowReduction",
+    "WindowStatistic",
 ]

@@ -141,7 +141,7 @@ def local_value_and_grad(
             out_specs=P(axis_name),
             axis_names={axis_name},
         )(params, *batch)
-        # One device: its term is stacked (see `_partials.is_stacked`).
+        # One device: its term is stacked (see `_partials.terms_layout`).
         explicit = (
             mesh._name_to_type[axis_name] == AxisType.Explicit
             and mesh.shape[axis_name] > 1

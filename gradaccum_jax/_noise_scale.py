@@ -24,14 +24,15 @@ unit of ``B_simple`` is micro-batches, not examples. A window of one
 micro-batch measures one batch size only: it gives no estimate.
 
 The accumulator keeps ``A`` and ``k`` (added in the micro-step's pass over
-the gradients) and, at each emission, folds the window's estimate into an
-exponential moving average of ``|G|^2`` and of ``tr(S)`` separately, with
-bias correction; ``B_simple`` is the ratio of the two averages, as the
-paper advises (a ratio of noisy estimates is biased, its average too).
+the gradients; the statistic is a `WindowStatistic` of the engine) and, at
+each emission, folds the window's estimate into an exponential moving
+average of ``|G|^2`` and of ``tr(S)`` separately, with bias correction;
+``B_simple`` is the ratio of the two averages, as the paper advises (a
+ratio of noisy estimates is biased, its average too).
 
 Under data parallelism with ``unreduced_axes`` each device's gradient of a
 micro-batch is a small batch of its own: every device keeps its own terms
-of ``A`` and ``k`` (`add_terms`), summed with the window at the emission.
+of ``A`` and ``k``, summed with the window at the emission.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gradaccum_jax import _checks, _partials, _tree
+from gradaccum_jax._statistic import WindowStatistic
 
 
 class NoiseScaleState(NamedTuple):
@@ -87,26 +88,22 @@ class NoiseScaleEstimate(NamedTuple):
     noise_scale: jax.Array
 
 
-def init(unreduced_axes: frozenset[str] = frozenset()) -> NoiseScaleState:
+def init(layout: _partials.TermsLayout | None = None) -> NoiseScaleState:
     """The state before any micro-batch: an empty window, no estimate.
 
-    With ``unreduced_axes`` the window's ``A`` and ``k`` are kept as
-    per-device terms (see `add_terms`); the averages are replicated.
+    With a ``layout`` of per-device terms (``unreduced_axes``) the window's
+    ``A`` and ``k`` are kept as terms; the averages are replicated.
     """
+    window_zero = _partials.NoTerms().zeros if layout is None else layout.zeros
 
     # Distinct arrays, not one shared zero: a donated state must not hold
     # the same buffer twice.
     def zero():
         return jnp.zeros([], jnp.float32)
 
-    def window_zero():
-        if not unreduced_axes:
-            return zero()
-        return _partials.zeros(zero(), unreduced_axes)
-
     return NoiseScaleState(
-        sq_norm_sum=window_zero(),
-        micro_batches=window_zero(),
+        sq_norm_sum=window_zero(zero()),
+        micro_batches=window_zero(zero()),
         grad_sq_norm=zero(),
         noise_trace=zero(),
         decay_power=jnp.ones([], jnp.float32),
@@ -140,69 +137,6 @@ def add(state: NoiseScaleState, grads: Any, weight: jax.Array) -> NoiseScaleStat
     )
 
 
-def add_terms(
-    state: NoiseScaleState, grads: Any, weight: jax.Array, axes: frozenset[str]
-) -> NoiseScaleState:
-    """Adds each device's micro-batch to its own terms of ``A`` and ``k``.
-
-    Under data parallelism with ``unreduced_axes`` each device's gradient is
-    a small batch of its own (of the device's examples), so ``A`` sums
-    ``w_d |g_d|^2`` over devices and micro-batches and ``k`` counts the
-    (device, micro-batch) pairs of nonzero weight. Each device adds its own
-    terms, computed from its own gradient term: nothing crosses devices
-    until the window's reduction at the emission. ``grads`` are per-device
-    terms (`gradaccum_jax.local_value_and_grad`); ``weight`` is either
-
-    * per-device terms ``w_d``: the gradient terms are then ``w_d g_d``
-      (``has_weight=True``), so ``w_d |g_d|^2 = |w_d g_d|^2 / w_d``;
-    * one replicated ``w``, spread evenly over the ``n`` devices: the
-      terms are ``g_d / n`` (the unweighted `local_value_and_grad`), so
-      ``w_d = w / n`` and ``w_d |g_d|^2 = w n |g_d / n|^2``.
-
-    A device of zero weight adds nothing (a select: its term may be NaN).
-    """
-    weighted = _partials.is_terms(weight, jnp.zeros([]), axes)
-    mesh_shape = jax.sharding.get_abstract_mesh().shape
-    devices = float(np.prod([mesh_shape[name] for name in axes]))
-
-    def local(terms, replicated):
-        grads, device_weight = terms if weighted else (terms, replicated)
-        has_weight = device_weight != 0
-        sq = sq_norm(grads)
-        if weighted:
-            term = sq / jnp.where(has_weight, device_weight, 1.0)
-        else:
-            term = device_weight * devices * sq
-        return jnp.where(has_weight, term, 0.0), has_weight.astype(jnp.float32)
-
-    terms, replicated = ((grads, weight), ()) if weighted else (grads, weight)
-    sq_norm_terms, counts = _partials.map_terms(local, axes)(terms, replicated)
-    return state._replace(
-        sq_norm_sum=state.sq_norm_sum + sq_norm_terms,
-        micro_batches=state.micro_batches + counts,
-    )
-
-
-def window_terms(state: NoiseScaleState | Any) -> tuple[jax.Array, ...]:
-    """The window's ``(A, k)`` (to reduce with the window); ``()`` untracked."""
-    if not isinstance(state, NoiseScaleState):
-        return ()
-    return state.sq_norm_sum, state.micro_batches
-
-
-def empty_window(state: NoiseScaleState | Any) -> NoiseScaleState | Any:
-    """``state`` with ``A`` and ``k`` emptied (a dropped window); ``()`` kept.
-
-    Per-device terms stay per-device terms (zero on every device).
-    """
-    if not isinstance(state, NoiseScaleState):
-        return state
-    return state._replace(
-        sq_norm_sum=_tree.zeros_like(state.sq_norm_sum),
-        micro_batches=_tree.zeros_like(state.micro_batches),
-    )
-
-
 def window_estimate(
     sq_norm_sum: jax.Array, count: jax.Array, weight: jax.Array, mean_sq_norm: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -226,45 +160,75 @@ def window_estimate(
 
 
 def close_window(
-    state: NoiseScaleState, weight: jax.Array, window_sum: Any, decay: float
-) -> tuple[NoiseScaleState, jax.Array]:
-    """Folds the closing window's estimate into the averages; empties ``A``, ``k``.
+    state: NoiseScaleState, window_sum: Any, weight: jax.Array, decay: float
+) -> NoiseScaleState:
+    """Folds the closing window's estimate into the moving averages.
 
     Args:
       state: the state holding the window's (reduced) ``A`` and ``k``.
-      weight: the window's total weight ``W``.
       window_sum: the window's weighted gradient sum ``W G_win`` (a pytree).
+      weight: the window's total weight ``W``.
       decay: the moving average's decay in [0, 1) (0: the last window only).
 
     Returns:
-      The new state, and ``weight`` again, now computed from the window's
-      norm: dividing the window by it orders the update after the norm's
-      read of the window's buffers, so XLA overwrites them in place with
-      the update. Without that data dependency the two are unordered and
-      XLA copies the window (a parameter-sized temporary, measured on
-      XLA:CPU; an optimization barrier does not survive its passes).
+      The state with the averages updated (``A`` and ``k`` as they were:
+      the engine empties a closed window's terms).
     """
     # The norm of the sum, divided after: no divided copy of the window.
-    window_sq_norm = sq_norm(window_sum)
-    # A sum of squares is never < 0 (NaN compares false): the factor is 1.
-    ordered_weight = weight * jnp.where(window_sq_norm < 0, 0.5, 1.0)
     safe_weight = jnp.where(weight != 0, weight, 1.0)
     grad_sq_norm, trace, defined = window_estimate(
-        state.sq_norm_sum, state.micro_batches, weight, window_sq_norm / safe_weight**2
+        state.sq_norm_sum,
+        state.micro_batches,
+        weight,
+        sq_norm(window_sum) / safe_weight**2,
     )
 
     def average(old, new):
         return jnp.where(defined, decay * old + (1 - decay) * new, old)
 
-    zero = jnp.zeros_like(state.sq_norm_sum)
-    new_state = NoiseScaleState(
-        sq_norm_sum=zero,
-        micro_batches=jnp.zeros_like(state.micro_batches),
+    return state._replace(
         grad_sq_norm=average(state.grad_sq_norm, grad_sq_norm),
         noise_trace=average(state.noise_trace, trace),
         decay_power=jnp.where(defined, decay * state.decay_power, state.decay_power),
     )
-    return new_state, ordered_weight
+
+
+def noise_scale_statistic(decay: float) -> WindowStatistic:
+    """The gradient noise scale as a `WindowStatistic` of the accumulator.
+
+    Its state is a `NoiseScaleState`: ``A`` and ``k`` are the window terms
+    (each device adds its own micro-batch, `TermsLayout.micro_batch`), the
+    bias-corrected moving averages of ``|G|^2`` and ``tr(S)`` the rest.
+    """
+
+    def observe(state, grads, weight, position, layout):
+        del position  # every micro-batch is measured
+
+        def micro_batch_terms(mean_grads, weight):
+            # A select, not a multiply: a zero weight adds nothing, not even
+            # the NaN of its (skipped) gradients.
+            has_weight = weight != 0
+            term = jnp.where(has_weight, weight * sq_norm(mean_grads), 0.0)
+            return term, has_weight.astype(jnp.float32)
+
+        sq_norm_term, count = layout.micro_batch(micro_batch_terms)(grads, weight)
+        return state._replace(
+            sq_norm_sum=state.sq_norm_sum + sq_norm_term,
+            micro_batches=state.micro_batches + count,
+        )
+
+    def close(state, window_sum, weight):
+        return close_window(state, window_sum, weight, decay)
+
+    return WindowStatistic(
+        init=lambda params, layout: init(layout),
+        observe=observe,
+        window_terms=lambda state: (state.sq_norm_sum, state.micro_batches),
+        with_window_terms=lambda state, terms: state._replace(
+            sq_norm_sum=terms[0], micro_batches=terms[1]
+        ),
+        close=close,
+    )
 
 
 def estimate(state: NoiseScaleState | Any) -> NoiseScaleEstimate:

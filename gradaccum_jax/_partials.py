@@ -1,17 +1,22 @@
 """Per-device terms of a sum, kept apart until a window is reduced.
 
 Data parallelism under ``jax.jit`` needs one sum over devices per window,
-not per micro-step. Until then each device keeps its own term, in one of two
-forms picked from the current mesh (``jax.set_mesh``):
+not per micro-step. Until then each device keeps its own term, in one of
+three layouts, decided once per trace by `terms_layout` from the mesh axes
+and the current mesh (``jax.set_mesh``):
 
-* Explicit axes: an *unreduced* array (type ``f32[...]{U:data}``), shaped
-  like the value; JAX tracks that it is a sum and reduces it on ``reshard``.
-* Auto axes (no unreduced types there): the terms *stacked* on a leading
-  axis of size ``n_devices``, sharded over the mesh axis; the sum is
-  ``.sum(0)``.
+* `NoTerms` (no ``unreduced_axes``): values are whole; a sum is itself.
+* `Unreduced` (Explicit axes): an *unreduced* array (type
+  ``f32[...]{U:data}``), shaped like the value; JAX tracks that it is a sum
+  and reduces it on ``reshard``.
+* `Stacked` (one Auto axis, which has no unreduced types): the terms
+  stacked on a leading axis of size ``n_devices``, sharded over the mesh
+  axis; the sum is ``.sum(0)``.
 
-Either way a term crosses devices only when a window is reduced: by
-default in `reduce` (one fused float all-reduce); a `WindowReduction` (e.g.
+The three share one interface (`TermsLayout`), so the code that keeps a
+window never asks which one it holds. Either way a term crosses devices
+only when a window is reduced: by default in `TermsLayout.reduce` (one
+fused float all-reduce); a `WindowReduction` (e.g.
 `gradaccum_jax.ternary_window_reduction`) may send something smaller.
 """
 
@@ -26,13 +31,306 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _tree
+from gradaccum_jax import _tree, _weights
 
 
-def is_stacked(axes: frozenset[str]) -> bool:
-    """Whether terms over ``axes`` are stacked (Auto mesh) or unreduced."""
-    if not axes:
+class TermsLayout:
+    """Where the per-device terms of a sum live: the interface of all three.
+
+    This base class is the layout without terms (`NoTerms`): every value is
+    whole, on every device, and a "sum of terms" is the value itself.
+    """
+
+    axes: frozenset[str] = frozenset()
+
+    def zeros(self, leaf: Any) -> jax.Array:
+        """A zero sum, as terms, of a value shaped (and sharded) like ``leaf``."""
+        return _tree.zeros_like(leaf)
+
+    def lift(self, value: jax.Array) -> jax.Array:
+        """A whole value as terms: whole on the first device, zero elsewhere."""
+        return value
+
+    def reduce(self, tree: Any) -> Any:
+        """Every leaf of ``tree`` (all terms) summed over the devices, in one go."""
+        return tree
+
+    def holds_terms(self, leaf: Any, like: Any) -> bool:
+        """Whether ``leaf`` holds terms of a value shaped like ``like``."""
+        del leaf, like
         return False
+
+    def is_weighted(self, weight: Any) -> bool:
+        """Whether ``weight`` is per-device terms (gradients then weighted)."""
+        del weight
+        return False
+
+    def as_weight(self, weight: Any, caller: str) -> jax.Array:
+        """A micro-batch's ``weight=`` validated: a float32 scalar (1 if None),
+        or per-device terms as the layout keeps them."""
+        return _weights.scalar_weight(weight, caller)
+
+    def as_terms(self, value: jax.Array, like: Any) -> jax.Array:
+        """``value`` as terms, lifted if it is a whole value."""
+        return value if self.holds_terms(value, like) else self.lift(value)
+
+    def total(self, value: Any, like: Any) -> Any:
+        """The whole value of ``value``: its terms summed, if it holds terms."""
+        return self.reduce(value) if self.holds_terms(value, like) else value
+
+    def arrival_shape(self, leaf: Any) -> Any:
+        """The shape of the terms of a value shaped like ``leaf``."""
+        return leaf
+
+    def map_terms(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """``fn(local, replicated)`` on each device's own term, kept as terms.
+
+        A nonlinear function of a term (a squared norm) is computed where the
+        term lies: no data crosses devices.
+        """
+        return fn
+
+    def over_terms(
+        self, fn: Callable[[Any, Any], tuple[Any, Any]]
+    ) -> Callable[[Any, Any], tuple[Any, Any]]:
+        """``fn(local, state)`` on each device's own term; replicated results.
+
+        ``fn`` runs where each device sees its own term as a value varying
+        over the axes and ``state`` replicated; it must return values that
+        are the same on every device (results of collectives over the axes).
+        """
+        return fn
+
+    def micro_batch(self, fn: Callable[[Any, jax.Array], Any]) -> Callable[..., Any]:
+        """``fn(mean_grads, weight)`` on each device's own micro-batch, as terms.
+
+        Returns ``g(grads, weight)``. Each device's term of a micro-batch's
+        gradient is a small batch of its own; ``fn`` sees it as the mean
+        gradient of that batch and the batch's weight. With a per-device
+        weight ``w_d`` the terms are ``w_d g_d`` (`gradaccum_jax.
+        local_value_and_grad` with ``has_weight=True``), so the mean is the
+        term over ``w_d``; a replicated weight ``w`` is spread evenly over the
+        ``n`` devices, whose terms are then ``g_d / n``. The scaling is one
+        multiply that XLA fuses into ``fn``'s reduction. A device of zero
+        weight gets zero gradients scaled by a safe 1 (its NaNs are ``fn``'s
+        to drop with a select).
+        """
+        return fn
+
+
+class NoTerms(TermsLayout):
+    """Values kept whole: no ``unreduced_axes``."""
+
+    def __repr__(self) -> str:
+        return "NoTerms()"
+
+
+class _DeviceTerms(TermsLayout):
+    """What the two layouts with per-device terms share."""
+
+    # The partition spec of terms, and whether a device's own term is a
+    # slice of a stacked array (set by each layout).
+    _term_spec: P
+    _stacked: bool
+
+    def micro_batch(self, fn):
+        mapped = self.map_terms(_device_micro_batch(fn, self.device_count()))
+
+        def run(grads, weight):
+            if self.is_weighted(weight):  # per-device weights, with the terms
+                return mapped((grads, weight), None)
+            return mapped(grads, weight)
+
+        return run
+
+    def device_count(self) -> int:
+        """The number of devices over the layout's axes."""
+        mesh_shape = jax.sharding.get_abstract_mesh().shape
+        count = 1
+        for name in self.axes:
+            count *= mesh_shape[name]
+        return count
+
+    def over_devices(
+        self, fn: Callable[..., Any], in_kinds: str, out_kind: str
+    ) -> Callable[..., Any]:
+        """``fn`` run on each device of the (one) axis on its own values.
+
+        No collective. ``in_kinds`` has one letter per argument, ``out_kind``
+        one for the result: ``s`` a tree stacked on a leading device axis
+        sharded over the axis (a per-device state: a plain array,
+        checkpointable), ``t`` per-device terms in this layout, ``r`` a value
+        replicated on every device (inputs only). ``fn`` sees each device's
+        own slice (its term, its state) as a value shaped like one device's.
+        """
+        (axis,) = self.axes
+        spec = {"s": P(axis), "t": self._term_spec, "r": P()}
+        unstack = {"s": True, "t": self._stacked, "r": False}
+
+        def local(*args):
+            out = fn(
+                *(
+                    _unstack(arg) if unstack[kind] else arg
+                    for arg, kind in zip(args, in_kinds, strict=True)
+                )
+            )
+            return jax.tree.map(lambda x: x[None], out) if unstack[out_kind] else out
+
+        # Unreduced terms need check_vma=False (see `Unreduced.over_terms`).
+        return jax.shard_map(
+            local,
+            in_specs=tuple(spec[kind] for kind in in_kinds),
+            out_specs=spec[out_kind],
+            check_vma=self._stacked,
+        )
+
+    def stack(self, tree: Any) -> Any:
+        """``tree`` (one per device, stacked on a leading axis) sharded over it."""
+        (axis,) = self.axes
+        mesh = jax.sharding.get_abstract_mesh()
+
+        def place(leaf):
+            if mesh._name_to_type[axis] == AxisType.Explicit:  # one device
+                return jax.sharding.reshard(leaf, P(axis))
+            return jax.lax.with_sharding_constraint(leaf, P(axis))
+
+        return jax.tree.map(place, tree)
+
+
+class Unreduced(_DeviceTerms):
+    """Terms as unreduced arrays over Explicit mesh ``axes``."""
+
+    _stacked = False
+
+    def __init__(self, axes: frozenset[str]):
+        self.axes = axes
+        self._term_spec = P(unreduced=set(axes))
+
+    def zeros(self, leaf: Any) -> jax.Array:
+        return _tree.unreduced_zeros(leaf, self.axes)
+
+    def lift(self, value: jax.Array) -> jax.Array:
+        return _tree.as_unreduced(value, self.axes)
+
+    def reduce(self, tree: Any) -> Any:
+        # Unreduced leaves are resharded together: one fused tuple all-reduce.
+        return _tree.reduce_unreduced(tree)
+
+    def holds_terms(self, leaf: Any, like: Any) -> bool:
+        del like
+        return _tree.unreduced_axes(leaf) == self.axes
+
+    def is_weighted(self, weight: Any) -> bool:
+        return bool(_tree.unreduced_axes(weight))
+
+    def map_terms(self, fn):
+        return self._full_manual(fn, P(unreduced=set(self.axes)))
+
+    def over_terms(self, fn):
+        return self._full_manual(fn, P())
+
+    def _full_manual(self, fn, out_spec):
+        """``fn`` on each device's whole term, in a full-manual shard_map.
+
+        Unreduced inputs need every mesh axis manual (jax 0.10.2), and jax
+        0.10.2 has no cast from unreduced to varying (`pcast` knows only the
+        reverse), which a nonlinear function of a term needs: the map runs
+        unchecked and hands each device its term as is. ``fn``'s results are
+        each device's own terms (``out_spec`` unreduced) or collectives'
+        results, the same on every device (``P()``). A term split over
+        another axis (a tensor-parallel leaf on a 2-D mesh) is gathered over
+        it first, so ``fn`` sees the device's whole term; the devices of that
+        axis then compute the same results.
+        """
+
+        def mapped(terms, replicated):
+            specs = jax.tree.map(
+                lambda leaf: P(*_tree.partitions(leaf), unreduced=set(self.axes)),
+                terms,
+            )
+
+            def local(terms, replicated):
+                return fn(jax.tree.map(_gather_partitions, terms, specs), replicated)
+
+            return jax.shard_map(
+                local, in_specs=(specs, P()), out_specs=out_spec, check_vma=False
+            )(terms, replicated)
+
+        return mapped
+
+    def __repr__(self) -> str:
+        return f"Unreduced({sorted(self.axes)})"
+
+
+class Stacked(_DeviceTerms):
+    """Terms stacked on a leading axis of size ``size``, sharded over ``axis``."""
+
+    _stacked = True
+
+    def __init__(self, axis: str, size: int):
+        self.axes = frozenset({axis})
+        self.axis = axis
+        self.size = size
+        self._term_spec = P(axis)
+
+    def zeros(self, leaf: Any) -> jax.Array:
+        shape = (self.size, *jnp.shape(leaf))
+        return self.stack(jnp.zeros(shape, jnp.result_type(leaf)))
+
+    def lift(self, value: jax.Array) -> jax.Array:
+        stacked = jnp.zeros((self.size, *jnp.shape(value)), value.dtype)
+        return self.stack(stacked.at[0].set(value))
+
+    def reduce(self, tree: Any) -> Any:
+        # XLA's all-reduce combiner fuses the leaves' sums into one.
+        return jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), tree)
+
+    def holds_terms(self, leaf: Any, like: Any) -> bool:
+        return jnp.ndim(leaf) == jnp.ndim(like) + 1
+
+    def is_weighted(self, weight: Any) -> bool:
+        return weight is not None and jnp.ndim(weight) == 1
+
+    def as_weight(self, weight: Any, caller: str) -> jax.Array:
+        if self.is_weighted(weight):  # stacked like the gradients
+            return jnp.asarray(weight, jnp.float32)
+        return super().as_weight(weight, caller)
+
+    def arrival_shape(self, leaf: Any) -> Any:
+        return jax.ShapeDtypeStruct(
+            (self.size, *jnp.shape(leaf)), jnp.result_type(leaf)
+        )
+
+    def map_terms(self, fn):
+        return jax.shard_map(
+            lambda terms, replicated: jax.tree.map(
+                lambda x: x[None], fn(_unstack(terms), replicated)
+            ),
+            in_specs=(P(self.axis), P()),
+            out_specs=P(self.axis),
+        )
+
+    def over_terms(self, fn):
+        return jax.shard_map(
+            lambda terms, state: fn(_unstack(terms), state),
+            in_specs=(P(self.axis), P()),
+            out_specs=P(),
+        )
+
+    def __repr__(self) -> str:
+        return f"Stacked({self.axis!r}, {self.size})"
+
+
+def terms_layout(axes: frozenset[str]) -> TermsLayout:
+    """The layout of per-device terms over ``axes`` on the current mesh.
+
+    Explicit axes keep unreduced arrays; one Auto axis (which has no
+    unreduced types) keeps stacked terms. A one-device Explicit axis also
+    stacks: its single term is the sum, and jax 0.10.2 fails to lower some
+    unreduced ops on a size-1 axis.
+    """
+    if not axes:
+        return NoTerms()
     mesh = jax.sharding.get_abstract_mesh()
     missing = sorted(axes - set(mesh.axis_names))
     if missing:
@@ -41,20 +339,47 @@ def is_stacked(axes: frozenset[str]) -> bool:
             f"the current mesh {mesh.axis_names}; call under jax.set_mesh(mesh)."
         )
     types = {mesh._name_to_type[name] for name in axes}
-    # A one-device Explicit axis also stacks: its single term is the sum,
-    # and jax 0.10.2 fails to lower some unreduced ops on a size-1 axis.
     one_device = len(axes) == 1 and mesh.shape[next(iter(axes))] == 1
     if types == {AxisType.Explicit} and not one_device:
-        return False
-    if one_device:
-        return True
-    if len(axes) > 1 or types != {AxisType.Auto}:
+        return Unreduced(frozenset(axes))
+    if len(axes) > 1 or not (one_device or types == {AxisType.Auto}):
         raise ValueError(
             f"`unreduced_axes` {sorted(axes)}: on a mesh that is not all "
             "Explicit, only one Auto axis is supported (terms stacked on a "
             f"leading axis), got types {sorted(str(t) for t in types)}."
         )
-    return True
+    (axis,) = axes
+    return Stacked(axis, mesh.shape[axis])
+
+
+def _gather_partitions(local: jax.Array, spec: P) -> jax.Array:
+    """A device's slice of a leaf split as ``spec``, gathered whole."""
+    for dim, names in enumerate(spec.partitions):
+        if names is not None:
+            local = jax.lax.all_gather(local, names, axis=dim, tiled=True)
+    return local
+
+
+def _unstack(tree: Any) -> Any:
+    return jax.tree.map(lambda leaf: leaf[0], tree)
+
+
+def _device_micro_batch(fn, device_count):
+    """``fn`` of a device's mean gradient and weight, from its terms (see
+    `TermsLayout.micro_batch`); built for `TermsLayout.map_terms`."""
+
+    def local(grads_and_weight, weight):
+        if weight is None:  # per-device weights came in with the terms
+            grads, device_weight = grads_and_weight
+            safe = jnp.where(device_weight != 0, device_weight, 1.0)
+            scale = 1.0 / safe
+        else:
+            grads, device_weight = grads_and_weight, weight / device_count
+            scale = jnp.asarray(device_count, jnp.float32)
+        mean = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        return fn(mean, device_weight)
+
+    return local
 
 
 def check_not_sharded_over(params: Any, axes: frozenset[str], what: str) -> None:
@@ -97,205 +422,29 @@ def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def _stack_axis(axes: frozenset[str]) -> tuple[str, int]:
-    (name,) = axes
-    return name, jax.sharding.get_abstract_mesh().shape[name]
-
-
-def stacked_shape(shape: tuple[int, ...], axes: frozenset[str]) -> tuple[int, ...]:
-    """The shape of stacked terms of a value of ``shape``."""
-    return (_stack_axis(axes)[1], *shape)
-
-
-def _stacked_constraint(x: jax.Array, axis: str) -> jax.Array:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh._name_to_type[axis] == AxisType.Explicit:  # a one-device axis
-        return jax.sharding.reshard(x, P(axis))
-    return jax.lax.with_sharding_constraint(x, P(axis))
-
-
-def zeros(leaf: Any, axes: frozenset[str]) -> jax.Array:
-    """A zero sum, one term per device, for a value shaped like ``leaf``."""
-    if not is_stacked(axes):
-        return _tree.unreduced_zeros(leaf, axes)
-    shape = stacked_shape(jnp.shape(leaf), axes)
-    return _stacked_constraint(jnp.zeros(shape, jnp.result_type(leaf)), *axes)
-
-
-def is_terms(leaf: Any, like: Any, axes: frozenset[str]) -> bool:
-    """Whether ``leaf`` holds per-device terms of a value shaped like ``like``.
-
-    ``like`` is the reduced value's shape (a scalar for a weight, a
-    parameter for a gradient).
-    """
-    if not axes:
-        return False
-    if is_stacked(axes):
-        return jnp.ndim(leaf) == jnp.ndim(like) + 1
-    return _tree.unreduced_axes(leaf) == axes
-
-
-def lift(value: jax.Array, axes: frozenset[str]) -> jax.Array:
-    """A reduced value as terms: whole on the first device, zero elsewhere."""
-    if not is_stacked(axes):
-        return _tree.as_unreduced(value, axes)
-    axis, size = _stack_axis(axes)
-    stacked = jnp.zeros((size, *jnp.shape(value)), value.dtype).at[0].set(value)
-    return _stacked_constraint(stacked, axis)
-
-
-def reduce(tree: Any, axes: frozenset[str]) -> Any:
-    """Sums every leaf of ``tree`` (all terms) over the devices, in one go.
-
-    Unreduced leaves are resharded together (one fused tuple all-reduce);
-    stacked leaves are summed over their leading axis, which XLA's
-    all-reduce combiner fuses the same way.
-    """
-    if not axes:
-        return tree
-    if not is_stacked(axes):
-        return _tree.reduce_unreduced(tree)
-    return jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), tree)
-
-
 class WindowReduction(NamedTuple):
-    """How `MultiSteps` sums a window of per-device terms at its emission.
+    """How the engine sums a window of per-device terms at its emission.
 
     Attributes:
       init: ``init(params) -> state``, the reduction's own state (kept in
         ``MultiStepsState.reduction_state``; arrays that are the same on
         every device, so checkpointable).
-      reduce: ``reduce(terms, axes, state) -> (sums, state)``: ``terms`` is
-        a pytree of per-device terms over the mesh ``axes`` (unreduced or
-        stacked, see this module), ``sums`` the same tree summed over the
-        devices, identical on every device. Called once per window, inside
-        the emission loop.
+      reduce: ``reduce(terms, layout, state) -> (sums, state)``: ``terms`` is
+        a pytree of per-device terms in ``layout`` (a `TermsLayout`:
+        unreduced or stacked, see this module), ``sums`` the same tree summed
+        over the devices, identical on every device. Called once per window,
+        inside the emission loop; ``layout.reduce`` is the exact float sum,
+        ``layout.over_terms`` runs a function of each device's own term that
+        ends in collectives.
     """
 
     init: Callable[[Any], Any]
-    reduce: Callable[[Any, frozenset[str], Any], tuple[Any, Any]]
+    reduce: Callable[[Any, TermsLayout, Any], tuple[Any, Any]]
 
 
 def float_window_reduction() -> WindowReduction:
-    """The default `WindowReduction`: `reduce`, one exact float all-reduce."""
+    """The default `WindowReduction`: one exact float all-reduce."""
     return WindowReduction(
         init=lambda params: (),
-        reduce=lambda terms, axes, state: (reduce(terms, axes), state),
+        reduce=lambda terms, layout, state: (layout.reduce(terms), state),
     )
-
-
-def map_terms(
-    fn: Callable[[Any, Any], Any], axes: frozenset[str]
-) -> Callable[[Any, Any], Any]:
-    """``fn(local, replicated)`` on each device's own term, kept as terms.
-
-    Returns ``g(terms, replicated)``: each device applies ``fn`` to its own
-    term of ``terms`` (as a plain value) and to ``replicated`` (the same on
-    every device), and its results become
-    that device's terms of the output (unreduced, or stacked). A nonlinear
-    function of a term (a squared norm) is computed where the term lies:
-    no data crosses devices.
-    """
-    if is_stacked(axes):
-        (axis,) = axes
-        return jax.shard_map(
-            lambda terms, replicated: jax.tree.map(
-                lambda x: x[None],
-                fn(jax.tree.map(lambda leaf: leaf[0], terms), replicated),
-            ),
-            in_specs=(P(axis), P()),
-            out_specs=P(axis),
-        )
-    # As in `over_terms`: no cast from unreduced to varying in jax 0.10.2,
-    # so the map runs unchecked and hands each device its term as is; its
-    # results are each device's own terms of an unreduced output.
-    return jax.shard_map(
-        fn,
-        in_specs=(P(unreduced=set(axes)), P()),
-        out_specs=P(unreduced=set(axes)),
-        check_vma=False,
-    )
-
-
-def over_terms(
-    fn: Callable[[Any, Any], tuple[Any, Any]], axes: frozenset[str]
-) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """``fn(local, state)`` mapped over the devices of per-device ``terms``.
-
-    Returns ``g(terms, state)`` that runs ``fn`` inside a ``jax.shard_map``
-    over ``axes``, where each device sees its own term as a value varying
-    over ``axes`` (``local``), and ``state`` replicated; ``fn`` must return
-    values that are the same on every device (results of collectives over
-    ``axes``), which ``g`` returns replicated.
-    """
-    if is_stacked(axes):
-        (axis,) = axes
-        in_terms, check_vma = P(axis), True
-
-        def local_terms(terms):
-            return jax.tree.map(lambda leaf: leaf[0], terms)
-    else:
-        # jax 0.10.2 has no cast from unreduced to varying (`pcast` knows
-        # only the reverse), and a nonlinear function of a term needs one.
-        # Without type checks a shard_map hands each device its term as a
-        # plain value; ``fn``'s results are collectives' results, the same
-        # on every device, as ``out_specs=P()`` then assumes unchecked.
-        in_terms, check_vma = P(unreduced=set(axes)), False
-
-        def local_terms(terms):
-            return terms
-
-    def mapped(terms, state):
-        return jax.shard_map(
-            lambda terms, state: fn(local_terms(terms), state),
-            in_specs=(in_terms, P()),
-            out_specs=P(),
-            check_vma=check_vma,
-        )(terms, state)
-
-    return mapped
-
-
-def over_devices(
-    fn: Callable[..., Any], axes: frozenset[str], in_kinds: str, out_kind: str
-) -> Callable[..., Any]:
-    """``fn`` run on each device of ``axes`` on its own values, no collective.
-
-    ``in_kinds`` has one letter per argument, ``out_kind`` one for the
-    result: ``s`` a tree stacked on a leading device axis sharded over the
-    axis (a per-device state: a plain array, checkpointable), ``t``
-    per-device terms (unreduced or stacked, as `zeros` makes them), ``r``
-    a value replicated on every device (inputs only). ``fn`` sees each
-    device's own slice (its term, its state) as a value shaped like one
-    device's.
-    """
-    (axis,) = axes
-    stacked = is_stacked(axes)
-    spec = {"s": P(axis), "t": P(axis) if stacked else P(unreduced={axis}), "r": P()}
-    unstack = {"s": True, "t": stacked, "r": False}
-
-    def local(*args):
-        out = fn(
-            *(
-                jax.tree.map(lambda leaf: leaf[0], arg) if unstack[kind] else arg
-                for arg, kind in zip(args, in_kinds, strict=True)
-            )
-        )
-        if unstack[out_kind]:
-            out = jax.tree.map(lambda leaf: leaf[None], out)
-        return out
-
-    # Unreduced terms need check_vma=False (see `over_terms`); each device's
-    # result is its own, as the out spec says.
-    return jax.shard_map(
-        local,
-        in_specs=tuple(spec[kind] for kind in in_kinds),
-        out_specs=spec[out_kind],
-        check_vma=stacked,
-    )
-
-
-def stack(tree: Any, axes: frozenset[str]) -> Any:
-    """``tree`` (one per device, stacked on a leading axis) sharded over ``axes``."""
-    (axis,) = axes
-    return jax.tree.map(lambda leaf: _stacked_constraint(leaf, axis), tree)

@@ -90,9 +90,9 @@ def per_device_accumulator(
 
     def init(params):
         _partials.check_not_sharded_over(params, axes, "Param")
+        layout = _partials.terms_layout(axes)
         local = accumulator.init(params)
-        (axis,) = axes
-        devices = jnp.arange(jax.sharding.get_abstract_mesh().shape[axis])
+        devices = jnp.arange(layout.device_count())
         if accumulator.for_device is None:
             windows = jax.tree.map(
                 lambda leaf: jnp.broadcast_to(leaf, (len(devices), *jnp.shape(leaf))),
@@ -102,27 +102,15 @@ def per_device_accumulator(
             windows = jax.vmap(accumulator.for_device, in_axes=(None, 0))(
                 local, devices
             )
-        return PerDeviceWindow(_partials.stack(windows, axes))
+        return PerDeviceWindow(layout.stack(windows))
 
     def add(acc, grads, weight):
-        stacked = _partials.is_stacked(axes)
-        weighted = bool(_tree.unreduced_axes(weight)) or (
-            stacked and jnp.ndim(weight) == 1
+        layout = _partials.terms_layout(axes)
+        weighted = layout.is_weighted(weight)
+        jax.tree_util.tree_map_with_path(
+            lambda path, grad: _check_arrival(path, layout, None, grad, weighted),
+            grads,
         )
-
-        def check(path, grad):
-            if not stacked:
-                _check_unreduced(path, frozenset(axes), grad, weighted)
-            elif jnp.shape(grad)[:1] != jnp.shape(acc.local_devices)[:1]:
-                raise ValueError(
-                    f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
-                    f"{jnp.shape(grad)}; on an Auto mesh each device's window "
-                    "takes its own term, stacked on a leading axis of size "
-                    f"{jnp.shape(acc.local_devices)[0]}: pass the stacked "
-                    "per-device gradients of local_value_and_grad."
-                )
-
-        jax.tree_util.tree_map_with_path(check, grads)
         _check_device_count(acc, axes)
 
         def local_add(window, grads, weight):
@@ -132,19 +120,19 @@ def per_device_accumulator(
 
         kinds = "stt" if weighted else "str"
         return PerDeviceWindow(
-            _partials.over_devices(local_add, axes, kinds, "s")(
-                acc.local, grads, weight
-            )
+            layout.over_devices(local_add, kinds, "s")(acc.local, grads, weight)
         )
 
     def total(acc):
         _check_device_count(acc, axes)
-        return _partials.over_devices(accumulator.total, axes, "s", "t")(acc.local)
+        layout = _partials.terms_layout(axes)
+        return layout.over_devices(accumulator.total, "s", "t")(acc.local)
 
     def reset(acc):
         _check_device_count(acc, axes)
+        layout = _partials.terms_layout(axes)
         return PerDeviceWindow(
-            _partials.over_devices(accumulator.reset, axes, "s", "s")(acc.local)
+            layout.over_devices(accumulator.reset, "s", "s")(acc.local)
         )
 
     return WindowAccumulator(init, add, total, reset)
@@ -218,27 +206,20 @@ def float_accumulator(
 
     def init(params):
         zeros = _zeros_in(params, dtype)
-        if not axes:
-            return zeros
-        _partials.check_not_sharded_over(params, axes, "Param")
-        return jax.tree.map(lambda leaf: _partials.zeros(leaf, axes), zeros)
+        if axes:
+            _partials.check_not_sharded_over(params, axes, "Param")
+        return jax.tree.map(_partials.terms_layout(axes).zeros, zeros)
 
     def add(acc, grads, weight):
         _checks.same_structure(
             grads, acc, "gradients", "the accumulator (built from the params at init)"
         )
-        stacked = _partials.is_stacked(axes)
-        # One term per device: unreduced, or stacked on a leading axis.
-        weighted = bool(_tree.unreduced_axes(weight)) or (
-            stacked and jnp.ndim(weight) == 1
-        )
+        layout = _partials.terms_layout(axes)
+        weighted = layout.is_weighted(weight)
         weight = weight.astype(dtype)
 
         def add_leaf(path, a, g):
-            if stacked:
-                _check_stacked(path, a, g)
-            else:
-                _check_unreduced(path, a, g, weighted)
+            _check_arrival(path, layout, a, g, weighted)
             g = g.astype(a.dtype)
             if weighted:
                 return a + g
@@ -337,29 +318,32 @@ def _zeros_in(params: Any, dtype: jnp.dtype) -> Any:
     )
 
 
-def _check_stacked(path: Any, acc: Any, grad: Any) -> None:
-    """Raises if a gradient leaf is not stacked like the window's leaf."""
-    if jnp.shape(grad) != jnp.shape(acc):
-        raise ValueError(
-            f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
-            f"{jnp.shape(grad)}; on an Auto mesh the window keeps one term per "
-            f"device stacked on a leading axis, shape {jnp.shape(acc)}: pass "
-            "the stacked per-device gradients of local_value_and_grad."
-        )
+def _check_arrival(
+    path: Any, layout: _partials.TermsLayout, acc: Any, grad: Any, weighted: bool
+) -> None:
+    """Raises unless a gradient leaf comes as terms in the window's layout.
 
-
-def _check_unreduced(path: Any, acc: Any, grad: Any, weighted: bool) -> None:
-    """Raises if a gradient leaf is not unreduced over the window's axes.
-
-    ``acc`` is the window's leaf, or the window's axes themselves.
+    ``acc`` is the window's leaf, or None for a per-device window (whose
+    leaves are no gradient's shape: only the leading device axis is checked).
     """
-    acc_axes = acc if isinstance(acc, frozenset) else _tree.unreduced_axes(acc)
+    if isinstance(layout, _partials.Stacked):
+        expected = (layout.size,) if acc is None else jnp.shape(acc)
+        if jnp.shape(grad)[: len(expected)] != expected or (
+            acc is not None and jnp.shape(grad) != expected
+        ):
+            raise ValueError(
+                f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(grad)}; on an Auto mesh the window keeps one term "
+                f"per device stacked on a leading axis of size {layout.size}: "
+                "pass the stacked per-device gradients of local_value_and_grad."
+            )
+        return
     grad_axes = _tree.unreduced_axes(grad)
-    if grad_axes != acc_axes:
+    if grad_axes != layout.axes:
         raise ValueError(
             f"Gradient leaf {jax.tree_util.keystr(path)} is unreduced over mesh "
             f"axes {sorted(grad_axes)}, the accumulation window over "
-            f"{sorted(acc_axes)}: pass unreduced_axes={tuple(sorted(grad_axes))} "
+            f"{sorted(layout.axes)}: pass unreduced_axes={tuple(sorted(grad_axes))} "
             "to the accumulator (MultiSteps, accumulate) and init it again."
         )
     if weighted and not grad_axes:

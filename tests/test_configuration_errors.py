@@ -173,6 +173,13 @@ TABLE: list[Row] = [
     *_rows_for(ACCUMULATORS, "opt", (None, optax.adam, "adam"), TRANSFORMATION),
     Row("MultiSteps", "window_accumulator", ("float32", (1, 2)), ACCUMULATOR),
     Row("MultiSteps", "window_reduction", ("ternary", (1, 2), 3), r"WindowReduction"),
+    # More window statistics: a sequence of WindowStatistic, not one bare.
+    Row(
+        "MultiSteps",
+        "statistics",
+        ("noise", (1, 2), ga.WindowStatistic(*[lambda *a: None] * 5)),
+        r"`statistics` must be a sequence of WindowStatistic",
+    ),
     # A window reduction needs per-device terms: without `unreduced_axes`
     # there are none.
     Row(

@@ -75,8 +75,8 @@ def ternary_window_reduction(
         real_leaves(params, "ternary_window_reduction: params")
         return _random.seed_state(seed)
 
-    def reduce_fn(terms, axes, key):
-        axis = tuple(sorted(axes))
+    def reduce_fn(terms, layout, key):
+        axis = tuple(sorted(layout.axes))
         axis = axis[0] if len(axis) == 1 else axis
         device_mean = ternary_average_across_devices(
             axis, seed, error_feedback=False, clip_sigma=clip_sigma, min_size=min_size
@@ -89,6 +89,6 @@ def ternary_window_reduction(
             sums = jax.tree.map(lambda mean: mean * num_devices, means)
             return sums, state.key
 
-        return _partials.over_terms(local, axes)(terms, key)
+        return layout.over_terms(local)(terms, key)
 
     return _partials.WindowReduction(init_fn, reduce_fn)

@@ -1,0 +1,36 @@
+"""Gradient accumulation over windows of micro-batches.
+
+`MultiSteps` is a drop-in replacement for `optax.MultiSteps`; `accumulate`
+and `MultiSteps.gradient_transformation` give the same machinery as an
+`AccumulationTransformation` for `optax.chain`. The package is split by job:
+
+* `_state`: the state and the `stats` it reports;
+* `_multisteps`: `MultiSteps`, configuration and delegation;
+* `_engine`: the micro-step and the emission, composed of parts;
+* `_store`: the window's storage as the emission sees it;
+* `_inner_step`: the inner optimizer's step in the window's own buffers;
+* `_window_size`: fixed, scheduled and adaptive window sizes;
+* `_skip`: which micro-batches the window takes;
+* `_transformation`, `_accumulate`: the optax-transformation forms.
+"""
+
+from gradaccum_jax._accumulation._accumulate import accumulate
+from gradaccum_jax._accumulation._multisteps import MultiSteps
+from gradaccum_jax._accumulation._skip import (
+    ShouldSkipUpdateFunction,
+    skip_large_updates,
+    skip_not_finite,
+)
+from gradaccum_jax._accumulation._state import AccumulationStats, MultiStepsState
+from gradaccum_jax._accumulation._transformation import AccumulationTransformation
+
+__all__ = [
+    "AccumulationStats",
+    "AccumulationTransformation",
+    "MultiSteps",
+    "MultiStepsState",
+    "ShouldSkipUpdateFunction",
+    "accumulate",
+    "skip_large_updates",
+    "skip_not_finite",
+]

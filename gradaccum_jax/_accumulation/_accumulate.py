@@ -1,0 +1,82 @@
+"""`accumulate`: the accumulation engine as a transformation for `optax.chain`."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax import _checks, _noise_scale
+from gradaccum_jax._accumulation._multisteps import MultiSteps
+from gradaccum_jax._accumulation._skip import ShouldSkipUpdateFunction
+from gradaccum_jax._accumulation._transformation import AccumulationTransformation
+from gradaccum_jax._accumulation._window_size import Schedule
+
+
+def accumulate(
+    opt: optax.GradientTransformation,
+    every_k: Schedule,
+    *,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
+    skip_nonfinite: bool = False,
+    count_skipped: bool = True,
+    accumulator_dtype: Any = jnp.float32,
+    unreduced_axes: str | Sequence[str] = (),
+    track_noise_scale: bool = False,
+    noise_scale_decay: float = 0.95,
+    average: bool | None = None,
+) -> AccumulationTransformation:
+    """Accumulation as a transformation, for use inside `optax.chain`.
+
+    ``chain(clip_by_global_norm(c), accumulate(optax.adam(lr), k))`` clips
+    each micro-batch and then accumulates; the machinery, the keywords and
+    the guarantees are those of `MultiSteps`. The one default that differs
+    is ``count_skipped=True``: a transformation in a chain most often runs
+    under pmap / shard_map, where devices must close their windows together.
+
+    Args:
+      opt: the optimizer run on each window's gradient.
+      every_k: micro-batches per update (int >= 1 or a schedule).
+      use_grad_mean: emit the (weighted) mean if True, the sum otherwise.
+      should_skip_update_fn: as in `MultiSteps`.
+      skip_nonfinite: shorthand for ``should_skip_update_fn=skip_not_finite``.
+      count_skipped: as in `MultiSteps`; True here, so skipped micro-batches
+        keep their place in the window and devices stay in step.
+      accumulator_dtype: floating dtype of the window sum (narrower than
+        float32: of a running mean, see `float_accumulator`).
+      unreduced_axes: as in `MultiSteps`: mesh axes over which gradients
+        arrive unreduced, reduced once per window.
+      track_noise_scale: as in `MultiSteps`: estimate the gradient noise
+        scale (`stats`).
+      noise_scale_decay: as in `MultiSteps`.
+      average: deprecated spelling of ``use_grad_mean``.
+
+    Returns:
+      An `AccumulationTransformation` accepting ``weight=``.
+    """
+    if average is not None:
+        warnings.warn(
+            "accumulate(average=...) is deprecated: use use_grad_mean=..., the "
+            "keyword MultiSteps and ternary_accumulate take too.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        use_grad_mean = _checks.boolean("average", average)
+    if not callable(every_k) and not isinstance(every_k, _noise_scale.AdaptiveWindow):
+        _checks.window_size("every_k", every_k)
+    return MultiSteps(
+        opt,
+        every_k,
+        use_grad_mean=use_grad_mean,
+        should_skip_update_fn=should_skip_update_fn,
+        accumulator_dtype=accumulator_dtype,
+        skip_nonfinite=skip_nonfinite,
+        count_skipped=count_skipped,
+        unreduced_axes=unreduced_axes,
+        track_noise_scale=track_noise_scale,
+        noise_scale_decay=noise_scale_decay,
+    ).gradient_transformation()

@@ -1,0 +1,291 @@
+"""The accumulation engine: a micro-step and an emission, composed of parts.
+
+Each part owns its slice of the state and has one job (see `Parts`): the
+window's storage (a `WindowAccumulator`, seen through `SharedWindow` or
+`DecodedWindow`), where per-device terms live (a `TermsLayout`, decided
+once per trace), the window's cross-device reduction (a
+`WindowReduction`), the window statistics (`WindowStatistic`s, the noise
+scale among them), the inner optimizer's step (`_inner_step`) and the next
+window's size (`_window_size`). A micro-step reads::
+
+    accept -> add -> observe -> count -> emit_if(window is full)
+
+and an emission, inside a zero-or-one-trip loop (`_control.run_if`)::
+
+    reduce -> close statistics -> step the inner optimizer if weighted
+    -> reset the window -> next window size
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax import _tree
+from gradaccum_jax._accumulation import _inner_step, _skip
+from gradaccum_jax._accumulation._state import MultiStepsState
+from gradaccum_jax._accumulation._store import DecodedWindow, SharedWindow
+from gradaccum_jax._accumulation._window_ops import (
+    statistic_states,
+    with_statistic_states,
+)
+from gradaccum_jax._accumulation._window_size import AdaptiveSize, ScheduledSize
+from gradaccum_jax._control import run_if
+from gradaccum_jax._partials import TermsLayout, WindowReduction, terms_layout
+from gradaccum_jax._statistic import MicroBatchPosition, WindowStatistic
+
+
+class Parts(NamedTuple):
+    """The engine's configuration: its parts and the choices between them.
+
+    Attributes:
+      opt: the inner optimizer (with extra-argument support).
+      store: the window's storage (`SharedWindow` or `DecodedWindow`).
+      reduction: the window's cross-device reduction.
+      statistics: the window statistics, each paired with the name of the
+        `MultiStepsState` field that holds its state (``"noise"`` for the
+        noise scale, ``"statistics"`` for the user's, kept as a tuple).
+      window_size: the window size policy.
+      should_skip_update_fn: the skip function, or None.
+      use_grad_mean: emit the window's mean (else its sum).
+      count_skipped: a skipped micro-batch takes its place in the window.
+      unreduced_axes: the mesh axes of per-device terms.
+    """
+
+    opt: optax.GradientTransformationExtraArgs
+    store: SharedWindow | DecodedWindow
+    reduction: WindowReduction
+    statistics: tuple[WindowStatistic, ...]
+    statistic_fields: tuple[str, ...]
+    window_size: ScheduledSize | AdaptiveSize
+    should_skip_update_fn: _skip.ShouldSkipUpdateFunction | None
+    use_grad_mean: bool
+    count_skipped: bool
+    unreduced_axes: frozenset[str]
+
+    def layout(self) -> TermsLayout:
+        """Where per-device terms live on the current mesh: decided here."""
+        return terms_layout(self.unreduced_axes)
+
+
+def add_micro_batch(
+    parts: Parts,
+    state: MultiStepsState,
+    grads: Any,
+    weight: jax.Array,
+    params: Any,
+    layout: TermsLayout,
+) -> tuple[MultiStepsState, jax.Array]:
+    """Adds one micro-batch to the window: ``(state, whether the window is full)``."""
+    accept, skip_state = _skip.accepts(
+        parts.should_skip_update_fn,
+        grads,
+        state.gradient_step,
+        params,
+        state.skip_state,
+    )
+    # A weight of zero adds nothing, not even the skipped NaNs.
+    weight = jnp.where(accept, weight, 0.0)
+    accumulator = parts.store.accumulator
+    # The window is reset lazily, by its first micro-batch: after an
+    # emission its buffers may hold the emitted updates (`UpdateSlots`).
+    # The select fuses into the accumulation pass.
+    acc = jax.tree.map(
+        lambda fresh, old: jnp.where(state.mini_step == 0, fresh, old),
+        accumulator.reset(state.acc_grads),
+        state.acc_grads,
+    )
+    acc = accumulator.add(acc, grads, weight)
+    fills_slot = jnp.asarray(True) if parts.count_skipped else accept
+    window_size = parts.window_size.current(state.window_size, state.gradient_step)
+    position = MicroBatchPosition(
+        state.mini_step, fills_slot, window_size, state.gradient_step
+    )
+    # No dependency on the add: a compiler may fuse both reads of the grads.
+    stat_states = [
+        stat.observe(stat_state, grads, weight, position, layout)
+        for stat, stat_state in zip(
+            parts.statistics, statistic_states(parts, state), strict=True
+        )
+    ]
+    mini_step = state.mini_step + fills_slot.astype(jnp.int32)
+    state = state._replace(
+        mini_step=mini_step,
+        acc_grads=acc,
+        acc_weight=state.acc_weight + layout.as_terms(weight, jnp.zeros([])),
+        skip_state=skip_state,
+        micro_steps=jnp.where(
+            accept, optax.safe_increment(state.micro_steps), state.micro_steps
+        ),
+    )
+    # `>=` rather than `==`: a schedule may shrink k mid-window.
+    full = jnp.logical_and(fills_slot, mini_step >= window_size)
+    return with_statistic_states(parts, state, stat_states), full
+
+
+class _Emission(NamedTuple):
+    """What an emission needs besides its carry, fixed at trace time."""
+
+    parts: Parts
+    layout: TermsLayout
+    slots: _inner_step.UpdateSlots
+    inner_update: Callable[..., Any]
+
+
+def emit_if(
+    parts: Parts,
+    emit: jax.Array,
+    state: MultiStepsState,
+    grads_like: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+    layout: TermsLayout,
+    scratch: Any = None,
+) -> tuple[Any, MultiStepsState]:
+    """Closes the window iff ``emit``: the inner optimizer's updates, or zeros.
+
+    On a step that does not emit, the loop does nothing and copies nothing;
+    the updates it leaves are masked to zero after it, where XLA fuses the
+    mask into the caller's `optax.apply_updates`. ``scratch``, when given,
+    is a dead tree (the micro-batch's gradients, already added to the
+    window) whose buffers may hold the updates.
+
+    Everything the emitting work reads is threaded through the carry, the
+    window weight too: XLA hoists loop-invariant code out of while loops,
+    and work on a closed-over value (a collective, a ternary decode) would
+    then run on every micro-step instead of once per window.
+    """
+    emission = _plan(parts, state, grads_like, params, extra_args, layout)
+    slots = emission.slots
+    updates, rest, acc_weight, (inner_state, reduction_state), stepped, stats = run_if(
+        emit,
+        lambda carry: _close_window(emission, carry),
+        (
+            slots.initial_updates(state.acc_grads, scratch),
+            slots.rest(state.acc_grads),
+            state.acc_weight,
+            (state.inner_opt_state, state.reduction_state),
+            jnp.zeros([], jnp.bool_),
+            statistic_states(parts, state),
+        ),
+    )
+    new_updates = slots.updates_tree(
+        [jnp.where(emit, u, jnp.zeros((), u.dtype)) for u in updates]
+    )
+    new_state = state._replace(
+        mini_step=jnp.where(emit, 0, state.mini_step),
+        gradient_step=jnp.where(
+            emit, optax.safe_increment(state.gradient_step), state.gradient_step
+        ),
+        inner_opt_state=inner_state,
+        acc_grads=slots.window(updates, rest),
+        acc_weight=acc_weight,
+        emitted=jnp.logical_and(emit, stepped),
+        reduction_state=reduction_state,
+    )
+    new_state = with_statistic_states(parts, new_state, stats)
+    next_size = parts.window_size.next(state.window_size, new_state.noise)
+    return new_updates, new_state._replace(
+        window_size=jax.tree.map(
+            lambda new, old: jnp.where(emit, new, old), next_size, state.window_size
+        )
+    )
+
+
+def _plan(parts, state, grads_like, params, extra_args, layout) -> _Emission:
+    """The inner update and its slots, from shapes only (at trace time)."""
+
+    def inner_update(window_sum, weight, inner_state, pass_weight=True):
+        grads = _inner_step.window_gradient(
+            window_sum, weight, grads_like, parts.use_grad_mean
+        )
+        weight_arg = {"weight": weight} if pass_weight else {}
+        updates, new_inner_state = parts.opt.update(
+            grads, inner_state, params, **weight_arg, **extra_args
+        )
+        return updates, _inner_step.keep_dtypes(new_inner_state, inner_state)
+
+    # The inner optimizer sees the reduced window (per-device terms summed).
+    window_sum, weight = jax.eval_shape(
+        lambda acc, weight: layout.reduce((parts.store.accumulator.total(acc), weight)),
+        state.acc_grads,
+        state.acc_weight,
+    )
+    inner_update, updates_shape = _inner_step.with_weight_if_accepted(
+        inner_update, window_sum, weight, state.inner_opt_state
+    )
+    slots = _inner_step.UpdateSlots(state.acc_grads, updates_shape)
+    return _Emission(parts, layout, slots, inner_update)
+
+
+def _close_window(emission: _Emission, carry):
+    """The emitting trip: reduce, close the statistics, step, reset."""
+    parts, layout, slots = emission.parts, emission.layout, emission.slots
+    updates, rest, window_weight, (inner_state, reduction_state), _, stats = carry
+    reset_rest = slots.rest(parts.store.accumulator.reset(slots.window(updates, rest)))
+    # The window's only cross-device traffic with `unreduced_axes`: its
+    # per-device sums, its weight and the statistics' window terms, in one
+    # reduction (by default one fused float all-reduce). Its leaves never
+    # hold updates (`UpdateSlots`), so the reduced copy aliases no update.
+    stat_terms = [
+        stat.window_terms(s) for stat, s in zip(parts.statistics, stats, strict=True)
+    ]
+    (reduced, weight, stat_sums), reduction_state = parts.reduction.reduce(
+        (parts.store.reduction_terms(slots, updates, rest), window_weight, stat_terms),
+        layout,
+        reduction_state,
+    )
+    window_sum = parts.store.window_sum(slots, updates, reduced)
+    closed = [
+        stat.close(stat.with_window_terms(s, sums), window_sum, weight)
+        for stat, s, sums in zip(parts.statistics, stats, stat_sums, strict=True)
+    ]
+    weight = _inner_step.ordered_after(weight, closed)
+    # The next window's terms: zeros, in the carry's form (per-device terms).
+    stats = [
+        stat.with_window_terms(s, jax.tree.map(_tree.zeros_like, terms))
+        for stat, s, terms in zip(parts.statistics, closed, stat_terms, strict=True)
+    ]
+    updates, inner_state, stepped = _step_if_weighted(
+        emission, updates, reduced, weight, inner_state
+    )
+    return (
+        updates,
+        reset_rest,
+        _tree.zeros_like(window_weight),
+        (inner_state, reduction_state),
+        stepped,
+        stats,
+    )
+
+
+def _step_if_weighted(emission: _Emission, updates, reduced, weight, inner_state):
+    """The inner optimizer's step on the window, if the window has weight.
+
+    A window of zero weight (all padding, all skipped) closes without
+    stepping: adam's momentum would still move the params, adamw would
+    decay them. A nested 0/1 loop rather than a select keeps the inner
+    state in place. The window is threaded through the nested carry too: a
+    closed-over integer window (ternary codes) would leak out of the
+    differentiation rule of `run_if` as a tracer.
+    """
+    stepped = _inner_step.window_has_weight(weight)
+
+    def step(carry):
+        updates, reduced, weight, inner_state = carry
+        window_sum = emission.parts.store.window_sum(emission.slots, updates, reduced)
+        new_updates, inner_state = emission.inner_update(
+            window_sum, weight, inner_state
+        )
+        return jax.tree.leaves(new_updates), reduced, weight, inner_state
+
+    updates, _, _, inner_state = run_if(
+        stepped, step, (updates, reduced, weight, inner_state)
+    )
+    # Not stepped, the slots still hold the (zero-weight) window.
+    updates = [jnp.where(stepped, u, jnp.zeros((), u.dtype)) for u in updates]
+    return updates, inner_state, stepped

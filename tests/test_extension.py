@@ -1,0 +1,187 @@
+"""Writing your own part: a window reduction and a statistic, public protocol only.
+
+The two toys below are the example of ``docs/architecture.md`` ("Write your
+own part"); they use nothing but public names of ``gradaccum_jax`` and the
+`TermsLayout` object the engine hands them:
+
+* `bf16_wire_reduction`: the window's per-device terms are sent as bfloat16
+  (half the bytes of a float32 all-reduce) and summed in float32; its state
+  counts the windows it reduced.
+* `window_norm_statistic`: the squared norm of each closed window's mean
+  gradient, and the number of weighted (device) micro-batches it held.
+
+Each runs on one device and with per-device terms on 1-D Explicit and Auto
+meshes and a 2-D ``data`` x ``model`` Explicit mesh with tensor-parallel
+params, and must give the numbers computed directly.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, reshard
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+
+K = 3
+
+
+def bf16_wire_reduction() -> ga.WindowReduction:
+    """Per-device terms summed as bfloat16 on the wire, in float32 after."""
+
+    def reduce(terms, layout, windows):
+        def to_wire(leaf):
+            # The window weight and the statistics' counts stay exact.
+            return leaf.astype(jnp.bfloat16) if jnp.size(leaf) > 1 else leaf
+
+        wire = layout.reduce(jax.tree.map(to_wire, terms))
+        sums = jax.tree.map(lambda s, t: s.astype(t.dtype), wire, terms)
+        return sums, windows + 1
+
+    return ga.WindowReduction(
+        init=lambda params: jnp.zeros([], jnp.int32), reduce=reduce
+    )
+
+
+class WindowNorm(NamedTuple):
+    micro_batches: jax.Array  # window term: weighted micro-batches seen
+    last_sq_norm: jax.Array  # |window mean gradient|^2 of the last window
+    last_micro_batches: jax.Array
+
+
+def window_norm_statistic() -> ga.WindowStatistic:
+    """The last closed window's mean-gradient squared norm and size."""
+
+    def init(params, layout):
+        zero = jnp.zeros([], jnp.float32)
+        return WindowNorm(layout.zeros(zero), zero, zero)
+
+    def observe(state, grads, weight, position, layout):
+        def count(mean_grads, weight):
+            return (weight != 0).astype(jnp.float32)
+
+        return state._replace(
+            micro_batches=state.micro_batches + layout.micro_batch(count)(grads, weight)
+        )
+
+    def close(state, window_sum, weight):
+        sq = sum(jnp.sum(jnp.square(s)) for s in jax.tree.leaves(window_sum))
+        return state._replace(
+            last_sq_norm=sq / weight**2, last_micro_batches=state.micro_batches
+        )
+
+    return ga.WindowStatistic(
+        init=init,
+        observe=observe,
+        window_terms=lambda state: state.micro_batches,
+        with_window_terms=lambda state, terms: state._replace(micro_batches=terms),
+        close=close,
+    )
+
+
+def _params(tensor_parallel=False):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w": jax.random.normal(k1, (8, 32)), "b": jax.random.normal(k2, (32,))}
+    if tensor_parallel:
+        params = {
+            "w": reshard(params["w"], P(None, "model")),
+            "b": reshard(params["b"], P("model")),
+        }
+    return params
+
+
+def _loss(params, x):
+    return jnp.mean(jnp.square(jnp.tanh(x @ params["w"] + params["b"])))
+
+
+def _batches(n):
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal((16, 8), np.float32) for _ in range(n)]
+
+
+def _expected(params, batches):
+    """The emitted sgd(1) update and the window's |mean grad|^2, on one device."""
+    grads = [jax.grad(_loss)(params, x) for x in batches]
+    mean = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+    sq = sum(float(jnp.sum(jnp.square(m))) for m in jax.tree.leaves(mean))
+    return jax.tree.map(lambda m: -np.asarray(m), mean), sq
+
+
+def test_toy_statistic_on_one_device():
+    params = _params()
+    batches = _batches(K)
+    opt = ga.MultiSteps(optax.sgd(1.0), K, statistics=[window_norm_statistic()])
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    for x in batches:
+        updates, state = step(jax.grad(_loss)(params, x), state, params)
+    expected_updates, expected_sq = _expected(params, batches)
+    (stat,) = state.statistics
+    np.testing.assert_allclose(float(stat.last_sq_norm), expected_sq, rtol=1e-5)
+    assert float(stat.last_micro_batches) == K
+    assert float(stat.micro_batches) == 0  # emptied for the next window
+    jax.tree.map(
+        lambda u, e: np.testing.assert_allclose(u, e, rtol=1e-5, atol=1e-7),
+        updates,
+        expected_updates,
+    )
+
+
+MESHES = {
+    "1d-explicit": ((8,), ("data",), (AxisType.Explicit,), False),
+    "1d-auto": ((8,), ("data",), (AxisType.Auto,), False),
+    "2d-explicit-tp": ((4, 2), ("data", "model"), (AxisType.Explicit,) * 2, True),
+}
+
+
+@pytest.mark.parametrize("layout", MESHES.values(), ids=MESHES.keys())
+def test_toy_reduction_and_statistic_with_per_device_terms(layout):
+    shape, names, types, tensor_parallel = layout
+    mesh = jax.make_mesh(shape, names, axis_types=types)
+    devices = shape[0]
+    with jax.set_mesh(mesh):
+        params = _params(tensor_parallel)
+        opt = ga.MultiSteps(
+            optax.sgd(1.0),
+            K,
+            unreduced_axes="data",
+            window_reduction=bf16_wire_reduction(),
+            statistics=[window_norm_statistic()],
+        )
+        grad_fn = ga.local_value_and_grad(_loss, "data")
+        state = opt.init(params)
+
+        @jax.jit
+        def step(params, state, x):
+            _, grads = grad_fn(params, x)
+            return opt.update(grads, state, params)
+
+        batches = _batches(K)
+        for x in batches:
+            x = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
+            updates, state = jax.block_until_ready(step(params, state, x))
+    expected_updates, expected_sq = _expected(_params(), batches)
+    (stat,) = state.statistics
+    np.testing.assert_allclose(float(stat.last_sq_norm), expected_sq, rtol=5e-2)
+    assert float(stat.last_micro_batches) == K * devices
+    assert int(state.reduction_state) == 1
+    # The terms really went through bfloat16: errors of its 8 mantissa
+    # bits, far above float32 rounding (about 1e-7).
+    error = max(
+        float(np.max(np.abs(u - e)) / np.max(np.abs(e)))
+        for u, e in zip(
+            jax.tree.leaves(jax.device_get(updates)),
+            jax.tree.leaves(expected_updates),
+            strict=True,
+        )
+    )
+    assert 1e-5 < error < 2e-2
+    # Updates keep the params' sharding (tensor-parallel stays split).
+    for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
+        assert jax.typeof(u).sharding.spec == jax.typeof(p).sharding.spec
