@@ -19,7 +19,7 @@ NOT_CORE=(
   tests/test_notebooks.py     # nbclient, ipykernel, matplotlib
   tests/test_optax_compat.py  # optax's own test modules import flax
   tests/test_packaging.py     # build, twine
-  tests/test_readme.py        # README blocks import flax, equinox, sklearn
+  tests/test_readme.py        # docs blocks import flax, equinox, sklearn
   tests/test_types.py         # mypy
 )
 

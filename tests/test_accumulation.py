@@ -289,9 +289,10 @@ def test_update_dtypes_match_the_unwrapped_optimizer(grad_dtype, param_dtype):
     ids=["sgd", "adam"],
 )
 def test_bfloat16_gradients_of_float32_params_are_accepted(build, inner, update_dtype):
-    # README: floating gradients of another dtype pass (as in optax.MultiSteps);
-    # the updates come in the inner optimizer's dtype for such gradients and
-    # apply_updates casts them to the params' dtype.
+    # docs/guides/accumulation.md: floating gradients of another dtype pass
+    # (as in optax.MultiSteps); the updates come in the inner optimizer's
+    # dtype for such gradients and apply_updates casts them to the params'
+    # dtype.
     params = {"w": jnp.ones((3,), jnp.float32)}
     grads = {"w": jnp.full((3,), 0.5, jnp.bfloat16)}
     expected, _ = inner.update(grads, inner.init(params), params)

@@ -347,7 +347,7 @@ def test_both_placements_equal_adam_on_the_hand_clipped_means(
 
 
 def test_logged_window_norm_is_the_last_emitted_windows_between_emissions():
-    # README, data parallelism: log grad_norm when has_updated is true; on
+    # docs/guides/data_parallel.md: log grad_norm when has_updated is true; on
     # other calls the state still holds the previous window's norm (0.0
     # before the first window), since the clipper runs only at emission.
     tx = ga.MultiSteps(optax.chain(ga.clip_by_global_norm(1.0), optax.sgd(1.0)), 2)

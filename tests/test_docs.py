@@ -82,11 +82,30 @@ def test_every_page_is_built(html):
         "guides/microbatching",
         "guides/ternary",
         "guides/noise_scale",
+        "guides/nonfinite",
+        "guides/checkpoints",
+        "guides/frameworks",
+        "api_summary",
     ):
         assert (html / f"{page}.html").is_file(), page
     assert "Unreleased" in (html / "changelog.html").read_text()
     assert "The accumulation engine" in (html / "architecture.html").read_text()
     assert "benchmarks/run_all.py" in (html / "benchmarks.html").read_text()
+
+
+def test_reference_moved_out_of_the_readme_is_rendered(html):
+    # The README is the front door; its former reference sections live here.
+    benchmarks = (html / "benchmarks.html").read_text()
+    for command in ("bench_accumulation.py", "bench_microbatch.py", "bench_network.py"):
+        assert command in benchmarks, command
+    assert 'src="_images/network.png"' in benchmarks
+    assert "<table" in (html / "api_summary.html").read_text()
+    assert "skip_not_finite" in (html / "guides" / "nonfinite.html").read_text()
+    assert (
+        "set_requires_gradient_sync"
+        in (html / "guides" / "data_parallel.html").read_text()
+    )
+    assert "--no-ternary" in (html / "getting_started.html").read_text()
 
 
 @pytest.mark.parametrize(

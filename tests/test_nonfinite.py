@@ -1,6 +1,6 @@
-"""What every transformation does with NaN/Inf gradients (README table).
+"""What every transformation does with NaN/Inf gradients (the docs table).
 
-One test per row of the README's "Non-finite gradients" table, so the table
+One test per row of the table in docs/guides/nonfinite.md, so the table
 cannot drift from the code.
 """
 
@@ -85,7 +85,7 @@ def test_accumulate_skip_nonfinite_gives_weight_zero_in_place():
 
 
 def test_count_skipped_alone_skips_nothing():
-    # README, data parallelism: count_skipped only says how a skipped
+    # docs/guides/data_parallel.md: count_skipped only says how a skipped
     # micro-batch counts; it takes skip_nonfinite or a skip function to skip.
     alone, _ = feed(
         ga.MultiSteps(optax.sgd(1.0), 3, count_skipped=True), [1.0, NAN, 4.0]
