@@ -13,13 +13,14 @@ import jax.numpy as jnp
 from gradaccum_jax import _checks, _noise_scale
 from gradaccum_jax._microbatching._batch import checked_batch_size, strided_split
 from gradaccum_jax._microbatching._keys import KeySlot, key_slot
+from gradaccum_jax._microbatching._layout import DataLayout
 from gradaccum_jax._microbatching._scan import (
     MicrobatchCall,
     microbatch_weight,
     weighted_means,
     weighted_sums,
 )
-from gradaccum_jax._microbatching._sharded import DataLayout, over_data_axis
+from gradaccum_jax._microbatching._sharded import over_data_axis
 
 
 def microbatched_value_and_grad(
