@@ -1,8 +1,5 @@
 """`microbatched_value_and_grad`: the public entry point, built from the steps
-of the sibling modules (keys, batch splitting, the scan, the data-axis layout).
-
-Its docstring, the API reference, is longer than a function may be (80
-lines): it is `_API_DOC`, set as the function's ``__doc__`` below it."""
+of the sibling modules (keys, batch splitting, the scan, the data-axis layout)."""
 
 from __future__ import annotations
 
