@@ -13,15 +13,15 @@ once, when it emits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _checks, _partials, _tree
+from gradaccum_jax import _checks, _partials
 from gradaccum_jax._tree import vary_over
 
 
@@ -87,6 +87,19 @@ def local_value_and_grad(
       ``fn(params, *batch) -> (loss, grads)``, or ``((loss, weight), grads)``
       with ``has_weight``, all as per-device terms over ``axis_name``.
     """
+    loss_fn, axis_name, has_weight = _checked_arguments(loss_fn, axis_name, has_weight)
+    device_term = functools.partial(_device_term, loss_fn, axis_name, has_weight)
+
+    def value_and_grad(params, *batch):
+        return _per_device_terms(device_term, axis_name, params, batch)
+
+    return value_and_grad
+
+
+def _checked_arguments(
+    loss_fn: Any, axis_name: Any, has_weight: Any
+) -> tuple[Callable[..., Any], str, bool]:
+    """`local_value_and_grad`'s arguments, or a ValueError naming the bad one."""
     loss_fn = _checks.optional_callable(
         "loss_fn", loss_fn, "loss_fn(params, *batch) -> loss"
     )
@@ -98,54 +111,62 @@ def local_value_and_grad(
             "`axis_name` must be a non-empty string naming one mesh axis, got "
             f"{axis_name!r}."
         )
-    has_weight = _checks.boolean("has_weight", has_weight)
+    return loss_fn, axis_name, _checks.boolean("has_weight", has_weight)
 
-    def local(params, *batch):
-        params = jax.lax.pcast(params, axis_name, to="varying")
-        if has_weight:
-            (loss, weight), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, *batch
-            )
-            weight = jnp.asarray(weight, jnp.float32)
-            scaled = jax.tree.map(lambda g: weight.astype(g.dtype) * g, grads)
-            out = ((weight * loss, weight), scaled)
-        else:
-            loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-            share = 1.0 / jax.lax.axis_size(axis_name)
-            out = (loss * share, jax.tree.map(lambda g: g * share, grads))
-        # A constant (a weight from a static shape) is the same on every
-        # device: mark it varying first, as a per-device term must be.
-        return jax.tree.map(lambda x: vary_over(x, frozenset({axis_name})), out)
+
+def _device_term(
+    loss_fn: Callable[..., Any], axis_name: str, has_weight: bool, params, *batch
+) -> tuple[Any, Any]:
+    """One device's ``(loss, grads)`` term (``((w loss, w), w grads)`` with
+    ``has_weight``, else both divided by the number of devices), varying
+    over ``axis_name``."""
+    params = jax.lax.pcast(params, axis_name, to="varying")
+    if has_weight:
+        (loss, weight), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, *batch
+        )
+        weight = jnp.asarray(weight, jnp.float32)
+        scaled = jax.tree.map(lambda g: weight.astype(g.dtype) * g, grads)
+        out = ((weight * loss, weight), scaled)
+    else:
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        share = 1.0 / jax.lax.axis_size(axis_name)
+        out = (loss * share, jax.tree.map(lambda g: g * share, grads))
+    # A constant (a weight from a static shape) is the same on every
+    # device: mark it varying first, as a per-device term must be.
+    return jax.tree.map(lambda x: vary_over(x, frozenset({axis_name})), out)
+
+
+def _per_device_terms(
+    device_term: Callable[..., Any], axis_name: str, params: Any, batch: tuple
+) -> Any:
+    """Every device's ``device_term`` on its shard of ``batch``: unreduced
+    over an Explicit ``axis_name``, stacked on a leading axis over an Auto
+    one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"local_value_and_grad: mesh axis {axis_name!r} is not in the "
+            f"current mesh {mesh.axis_names}: call it under "
+            "jax.set_mesh(mesh)."
+        )
+    _partials.check_not_sharded_over(
+        params, frozenset({axis_name}), "local_value_and_grad: param"
+    )
 
     def stacked(params, *batch):
-        return jax.tree.map(lambda x: x[None], local(params, *batch))
+        return jax.tree.map(lambda x: x[None], device_term(params, *batch))
 
-    def value_and_grad(params, *batch):
-        mesh = jax.sharding.get_abstract_mesh()
-        if axis_name not in mesh.axis_names:
-            raise ValueError(
-                f"local_value_and_grad: mesh axis {axis_name!r} is not in the "
-                f"current mesh {mesh.axis_names}: call it under "
-                "jax.set_mesh(mesh)."
-            )
-        _partials.check_not_sharded_over(
-            params, frozenset({axis_name}), "local_value_and_grad: param"
-        )
-        # Manual over the data axis only: the other axes (a 2-D mesh's
-        # ``model``) stay in the compiler's hands inside, so tensor-parallel
-        # params keep their sharding and the loss needs no collective of its
-        # own. The terms come out stacked on a leading device axis.
-        terms = jax.shard_map(
-            stacked,
-            in_specs=(P(), *(P(axis_name) for _ in batch)),
-            out_specs=P(axis_name),
-            axis_names={axis_name},
-        )(params, *batch)
-        # One device: its term is stacked (see `_partials.terms_layout`).
-        explicit = (
-            mesh._name_to_type[axis_name] == AxisType.Explicit
-            and mesh.shape[axis_name] > 1
-        )
-        return _tree.stacked_as_unreduced(terms, axis_name) if explicit else terms
-
-    return value_and_grad
+    # Manual over the data axis only: the other axes (a 2-D mesh's
+    # ``model``) stay in the compiler's hands inside, so tensor-parallel
+    # params keep their sharding and the loss needs no collective of its
+    # own. The terms come out stacked on a leading device axis.
+    terms = jax.shard_map(
+        stacked,
+        in_specs=(P(), *(P(axis_name) for _ in batch)),
+        out_specs=P(axis_name),
+        axis_names={axis_name},
+    )(params, *batch)
+    # In the form the accumulator keeps its terms (unreduced on an
+    # Explicit axis, stacked otherwise): decided by the one layout rule.
+    return _partials.terms_layout(frozenset({axis_name})).from_stacked(terms)

@@ -223,6 +223,11 @@ class Unreduced(_DeviceTerms):
     def is_weighted(self, weight: Any) -> bool:
         return bool(_tree.unreduced_axes(weight))
 
+    def from_stacked(self, terms: Any) -> Any:
+        """Terms stacked on a leading device axis, as unreduced arrays."""
+        (axis,) = self.axes
+        return _tree.stacked_as_unreduced(terms, axis)
+
     def map_terms(self, fn):
         return self._full_manual(fn, P(unreduced=set(self.axes)))
 
@@ -295,6 +300,10 @@ class Stacked(_DeviceTerms):
         if self.is_weighted(weight):  # stacked like the gradients
             return jnp.asarray(weight, jnp.float32)
         return super().as_weight(weight, caller)
+
+    def from_stacked(self, terms: Any) -> Any:
+        """Terms stacked on a leading device axis: as they are."""
+        return terms
 
     def arrival_shape(self, leaf: Any) -> Any:
         return jax.ShapeDtypeStruct(

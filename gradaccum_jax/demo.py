@@ -246,6 +246,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     sizes = (x_train.shape[1], args.hidden, args.hidden, 10)
     init_params = init_mlp(jax.random.key(args.seed), sizes)
+    results = run_all(args, init_params, x_train, y_train)
+    summary = summarize(results, init_params, sizes[0], x_test, y_test)
+    print_table(args, sizes, results, summary)
+    return summary
+
+
+def run_all(
+    args: argparse.Namespace, init_params: Any, x_train: Any, y_train: Any
+) -> list[RunResult]:
+    """The big-batch run, then the accumulated one, then the ternary one (if
+    asked for), all from ``init_params`` on the same examples."""
     big_batch = args.k * args.micro_batch
 
     def optimizer() -> optax.GradientTransformation:
@@ -297,9 +308,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 devices=1,
             )
         )
+    return results
 
+
+def summarize(
+    results: list[RunResult],
+    init_params: Any,
+    num_features: int,
+    x_test: Any,
+    y_test: Any,
+) -> dict[str, dict[str, float]]:
+    """Per run, by name: test accuracy, largest parameter difference from the
+    first (big-batch) run, optimizer state bytes, gradient temporary bytes
+    and seconds."""
     reference = results[0].params
-    summary = {
+    return {
         result.name: {
             "accuracy": accuracy(result.params, x_test, y_test),
             "max_param_diff": max(
@@ -312,17 +335,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ),
             "state_bytes": result.state_bytes,
             "grad_temp_bytes": grad_temp_bytes(
-                init_params, result.examples_per_call // result.devices, sizes[0]
+                init_params, result.examples_per_call // result.devices, num_features
             ),
             "seconds": result.seconds,
         }
         for result in results
     }
 
+
+def print_table(
+    args: argparse.Namespace,
+    sizes: tuple[int, ...],
+    results: list[RunResult],
+    summary: dict[str, dict[str, float]],
+) -> None:
+    """Prints the setup, then the summary as a markdown table."""
     print(
         f"digits MLP {sizes}, adam lr={args.lr}"
         + (f", clip {args.clip}" if args.clip is not None else "")
-        + f", {args.steps} updates of {big_batch} examples, "
+        + f", {args.steps} updates of {args.k * args.micro_batch} examples, "
         f"{jax.devices()[0].platform}"
     )
     print()
@@ -338,7 +369,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"| {row['max_param_diff']:.1e} | {row['state_bytes'] / 1024:.0f} "
             f"| {row['grad_temp_bytes'] / 1024:.0f} | {row['seconds']:.1f} |"
         )
-    return summary
 
 
 if __name__ == "__main__":

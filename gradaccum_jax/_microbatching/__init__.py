@@ -12,7 +12,8 @@ micro-batches hold different numbers of valid examples).
 
 The steps, one module each: `_keys` (which argument holds the PRNG key),
 `_batch` (checking and splitting the batch), `_scan` (the weighted sums and
-means), `_sharded` (a step laid out over a mesh's data axis), and
+means), `_layout` (which parameters are gathered once or per micro-batch
+over a mesh's data axis), `_sharded` (a step laid out over that axis), and
 `_value_and_grad` (the public function that puts them together).
 """
 

@@ -12,7 +12,7 @@ from gradaccum_jax import _noise_scale, _weights
 from gradaccum_jax._tree import accumulation_dtype, zeros_like
 
 if TYPE_CHECKING:
-    from gradaccum_jax._microbatching._sharded import ShardedParams
+    from gradaccum_jax._microbatching._layout import ShardedParams
 
 
 def as_summand(leaf: Any, accumulator_dtype: jnp.dtype) -> jax.Array:

@@ -2,124 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from gradaccum_jax._microbatching._layout import DataLayout, ShardedParams
 from gradaccum_jax._microbatching._scan import weighted_means
-from gradaccum_jax._tree import mesh_axes_of, stacked_as_unreduced, vary_over
-
-
-class DataLayout(NamedTuple):
-    """How a step is laid out over the data axis.
-
-    ``gather_dims`` holds, per parameter leaf, the dimension sharded over
-    the axis when that leaf is gathered in every micro-batch (None: the
-    leaf enters the scan whole, gathered once if it was sharded).
-    """
-
-    axis: str
-    size: int
-    explicit: bool
-    gather_dims: Any
-    unreduced: bool
-
-    @classmethod
-    def of(cls, axis, params, gather_params_once, unreduced) -> DataLayout:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or axis not in mesh.axis_names:
-            raise ValueError(
-                f"`data_axis`={axis!r} is not an axis of the current mesh "
-                f"(axes {tuple(mesh.axis_names)}); set a mesh with that axis "
-                "with `jax.set_mesh(mesh)` around the call (or the jit)."
-            )
-        kind = mesh.axis_types[mesh.axis_names.index(axis)]
-        explicit = kind == jax.sharding.AxisType.Explicit
-        if unreduced and not explicit:
-            raise ValueError(
-                f"`unreduced_grads`=True needs `data_axis`={axis!r} to be an "
-                f"Explicit mesh axis, but it is {kind}: unreduced arrays are a "
-                "type of Explicit sharding."
-            )
-
-        def gather_dim(leaf: Any) -> int | None:
-            # Auto axes do not show in the type while tracing: a leaf then
-            # looks replicated and shard_map gathers it once.
-            if gather_params_once or not explicit:
-                return None
-            spec = jax.typeof(leaf).sharding.spec
-            dims = [i for i, entry in enumerate(spec) if entry == axis]
-            return dims[0] if dims else None
-
-        gather_dims = jax.tree.map(gather_dim, params)
-        return cls(axis, mesh.shape[axis], explicit, gather_dims, unreduced)
-
-    def param_spec(self, dim: int | None) -> P:
-        return P() if dim is None else P(*[None] * dim, self.axis)
-
-
-class ShardedParams:
-    """Parameters as one device sees them inside the scan, and how its
-    weighted gradient contribution is reduced in each micro-batch.
-
-    Leaves gathered once are marked varying so that ``jax.grad`` keeps each
-    device's gradient (an invariant primal would make it psum the gradient
-    in every micro-batch). Leaves gathered per micro-batch are all-gathered
-    when the loss runs and their weighted contribution reduce-scattered back
-    to the shard, so the accumulator holds only the shard.
-    """
-
-    def __init__(self, layout: DataLayout):
-        self._layout = layout
-
-    @property
-    def axis(self) -> str:
-        return self._layout.axis
-
-    def full(self, params: Any) -> Any:
-        axis = self._layout.axis
-
-        def gather(leaf: jax.Array, dim: int | None) -> jax.Array:
-            if dim is not None:
-                leaf = jax.lax.all_gather(leaf, axis, axis=dim, tiled=True)
-            return vary_over(leaf, frozenset({axis}))
-
-        return jax.tree.map(gather, params, self._layout.gather_dims)
-
-    def reduce_contribution(self, grads: Any) -> Any:
-        axis = self._layout.axis
-
-        def scatter(leaf: jax.Array, dim: int | None) -> jax.Array:
-            return leaf if dim is None else _reduce_scatter(leaf, axis, dim)
-
-        return jax.tree.map(scatter, grads, self._layout.gather_dims)
-
-
-def _reduce_scatter(leaf: jax.Array, axis: str, dim: int) -> jax.Array:
-    """``psum_scatter`` of ``leaf`` over ``axis`` along ``dim``.
-
-    jax 0.10 fails to lower a reduce-scatter whose operand is also sharded
-    over a mesh axis outside the ``shard_map`` (an AssertionError in
-    ``_reduce_scatter_lowering`` for FSDP x tensor-parallel
-    ``P("data", "model")``): it then runs in a nested ``shard_map`` manual
-    over those axes too, on each device's block, since a reduce-scatter
-    acts on every position of the other dimensions alike.
-    """
-    scatter = functools.partial(
-        jax.lax.psum_scatter, axis_name=axis, scatter_dimension=dim, tiled=True
-    )
-    spec = jax.typeof(leaf).sharding.spec
-    others = set(mesh_axes_of(leaf))
-    if not others:
-        return scatter(leaf)
-    return jax.shard_map(scatter, in_specs=spec, out_specs=spec, axis_names=others)(
-        leaf
-    )
+from gradaccum_jax._tree import stacked_as_unreduced
 
 
 def over_data_axis(local_sums, layout, params, batch, args, kwargs):

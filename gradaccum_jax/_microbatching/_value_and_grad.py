@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,29 +13,18 @@ import jax.numpy as jnp
 from gradaccum_jax import _checks, _noise_scale
 from gradaccum_jax._microbatching._batch import checked_batch_size, strided_split
 from gradaccum_jax._microbatching._keys import KeySlot, key_slot
+from gradaccum_jax._microbatching._layout import DataLayout
 from gradaccum_jax._microbatching._scan import (
     MicrobatchCall,
     microbatch_weight,
     weighted_means,
     weighted_sums,
 )
-from gradaccum_jax._microbatching._sharded import DataLayout, over_data_axis
+from gradaccum_jax._microbatching._sharded import over_data_axis
 
-
-def microbatched_value_and_grad(
-    loss_fn: Callable[..., Any],
-    num_microbatches: int,
-    *,
-    has_aux: bool = False,
-    weight_fn: Callable[[Any], jax.Array] | None = None,
-    accumulator_dtype: Any = jnp.float32,
-    key_argnum: int | str | None = None,
-    data_axis: str | None = None,
-    gather_params_once: bool = True,
-    unreduced_grads: bool = False,
-    return_noise_scale: bool = False,
-) -> Callable[..., Any]:
-    """``jax.value_and_grad`` over a batch split into micro-batches.
+# The public docstring, byte for byte as it was inside the function, which
+# it would make longer than 80 lines; set as its ``__doc__`` below it.
+_API_DOC = """``jax.value_and_grad`` over a batch split into micro-batches.
 
     The returned function has the signature and outputs of
     ``jax.value_and_grad(loss_fn, has_aux=has_aux)`` (gradients with respect
@@ -212,6 +201,75 @@ def microbatched_value_and_grad(
         the key may be among arguments ``loss_fn``'s signature hides (see
         PRNG keys above).
     """
+
+
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    weight_fn: Callable[[Any], jax.Array] | None = None,
+    accumulator_dtype: Any = jnp.float32,
+    key_argnum: int | str | None = None,
+    data_axis: str | None = None,
+    gather_params_once: bool = True,
+    unreduced_grads: bool = False,
+    return_noise_scale: bool = False,
+) -> Callable[..., Any]:
+    # The docstring is `_API_DOC` above.
+    options = _checked_options(
+        loss_fn,
+        num_microbatches,
+        has_aux,
+        weight_fn,
+        accumulator_dtype,
+        key_argnum,
+        data_axis,
+        gather_params_once,
+        unreduced_grads,
+        return_noise_scale,
+    )
+    value_and_grad_fn = jax.value_and_grad(loss_fn, has_aux=options.has_aux)
+    step = _MicrobatchedStep(value_and_grad_fn, options)
+
+    @functools.wraps(loss_fn)
+    def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        return step(params, batch, args, kwargs)
+
+    return microbatched
+
+
+microbatched_value_and_grad.__doc__ = _API_DOC
+
+
+class _Options(NamedTuple):
+    """The checked arguments of one `microbatched_value_and_grad`."""
+
+    num_microbatches: int
+    has_aux: bool
+    weight_fn: Callable[[Any], Any] | None
+    accumulator_dtype: jnp.dtype
+    key: KeySlot
+    data_axis: str | None
+    gather_params_once: bool
+    unreduced_grads: bool
+    return_noise_scale: bool
+
+
+def _checked_options(
+    loss_fn,
+    num_microbatches,
+    has_aux,
+    weight_fn,
+    accumulator_dtype,
+    key_argnum,
+    data_axis,
+    gather_params_once,
+    unreduced_grads,
+    return_noise_scale,
+) -> _Options:
+    """The arguments checked in the order they are documented, each failing
+    with a ValueError that names it."""
     if not callable(loss_fn):
         raise ValueError(f"`loss_fn` must be callable, got {loss_fn!r}.")
     num_microbatches = _checks.positive_int("num_microbatches", num_microbatches)
@@ -241,40 +299,81 @@ def microbatched_value_and_grad(
             "`return_noise_scale`=True is not supported with `data_axis` (the "
             "micro-batch norms would be per-device terms): pass data_axis=None."
         )
-    value_and_grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    return _Options(
+        num_microbatches,
+        has_aux,
+        weight_fn,
+        accumulator_dtype,
+        key,
+        data_axis,
+        gather_params_once,
+        unreduced_grads,
+        return_noise_scale,
+    )
 
-    def weight_of(microbatch: Any) -> jax.Array:
-        if weight_fn is None:
+
+class _MicrobatchedStep:
+    """One call of the function `microbatched_value_and_grad` returns: the
+    scan over the micro-batches, then the weighted means (with the noise
+    scale), or the scan laid out over the data axis."""
+
+    def __init__(self, value_and_grad_fn: Callable[..., Any], options: _Options):
+        self._value_and_grad_fn = value_and_grad_fn
+        self._options = options
+
+    def __call__(self, params: Any, batch: Any, args: tuple, kwargs: dict) -> Any:
+        options = self._options
+        if options.data_axis is None and options.return_noise_scale:
+            checked_batch_size(batch, options.num_microbatches)
+            return self._with_noise_scale(params, batch, args, kwargs)
+        if options.data_axis is None:
+            checked_batch_size(batch, options.num_microbatches)
+            return weighted_means(*self._local_sums(params, batch, args, kwargs))
+        layout = DataLayout.of(
+            options.data_axis,
+            params,
+            options.gather_params_once,
+            options.unreduced_grads,
+        )
+        checked_batch_size(batch, options.num_microbatches, layout.size)
+        return over_data_axis(self._local_sums, layout, params, batch, args, kwargs)
+
+    def _weight_of(self, microbatch: Any) -> jax.Array:
+        if self._options.weight_fn is None:
             return jnp.ones((), jnp.float32)
-        return microbatch_weight(weight_fn(microbatch))
+        return microbatch_weight(self._options.weight_fn(microbatch))
 
-    def local_sums(params, batch, args, kwargs, shard=None):
-        call = MicrobatchCall(value_and_grad_fn, params, args, kwargs, key, shard)
-        microbatches = strided_split(batch, num_microbatches)
-        return weighted_sums(call, weight_of, microbatches, accumulator_dtype, shard)
+    def _call(self, params, args, kwargs, shard) -> MicrobatchCall:
+        return MicrobatchCall(
+            self._value_and_grad_fn, params, args, kwargs, self._options.key, shard
+        )
 
-    @functools.wraps(loss_fn)
-    def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        if data_axis is None and return_noise_scale:
-            checked_batch_size(batch, num_microbatches)
-            call = MicrobatchCall(value_and_grad_fn, params, args, kwargs, key, None)
-            microbatches = strided_split(batch, num_microbatches)
-            *sums, noise = weighted_sums(
-                call, weight_of, microbatches, accumulator_dtype, noise_terms=True
-            )
-            value, grads = weighted_means(*sums)
-            estimate = _noise_scale.batch_estimate(
-                noise.sq_norm_sum,
-                noise.micro_batches,
-                sums[2].astype(jnp.float32),
-                grads,
-            )
-            return value, grads, estimate
-        if data_axis is None:
-            checked_batch_size(batch, num_microbatches)
-            return weighted_means(*local_sums(params, batch, args, kwargs))
-        layout = DataLayout.of(data_axis, params, gather_params_once, unreduced_grads)
-        checked_batch_size(batch, num_microbatches, layout.size)
-        return over_data_axis(local_sums, layout, params, batch, args, kwargs)
+    def _local_sums(self, params, batch, args, kwargs, shard=None):
+        """The scan on this device's batch: weighted sums and the total weight."""
+        microbatches = strided_split(batch, self._options.num_microbatches)
+        return weighted_sums(
+            self._call(params, args, kwargs, shard),
+            self._weight_of,
+            microbatches,
+            self._options.accumulator_dtype,
+            shard,
+        )
 
-    return microbatched
+    def _with_noise_scale(self, params, batch, args, kwargs):
+        """``(value, grads, estimate)``: the means and this step's noise scale."""
+        microbatches = strided_split(batch, self._options.num_microbatches)
+        *sums, noise = weighted_sums(
+            self._call(params, args, kwargs, None),
+            self._weight_of,
+            microbatches,
+            self._options.accumulator_dtype,
+            noise_terms=True,
+        )
+        value, grads = weighted_means(*sums)
+        estimate = _noise_scale.batch_estimate(
+            noise.sq_norm_sum,
+            noise.micro_batches,
+            sums[2].astype(jnp.float32),
+            grads,
+        )
+        return value, grads, estimate

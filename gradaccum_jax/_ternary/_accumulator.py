@@ -92,94 +92,13 @@ def _ternary_window_accumulator(
     at the dtype's range rather than wrap.
     """
 
+    code_sums = _CodeSums.of(code_sum_dtype)
+
     def init(params):
-        real_leaves(params, "ternary_accumulate: params")
-
-        def code_sum_init(param):
-            if is_compressed(param, min_size):
-                return _tree.zeros_like(param, code_sum_dtype)
-            return _tree.zeros_like(param, jnp.float32)
-
-        def scale_init(param):
-            if is_compressed(param, min_size):
-                return jnp.zeros((), jnp.float32)
-            return optax.MaskedNode()
-
-        return TernaryAccumulatorState(
-            _random.seed_state(seed),
-            jax.tree.map(code_sum_init, params),
-            jax.tree.map(scale_init, params),
-        )
-
-    limit = int(jnp.iinfo(code_sum_dtype).max)
-    # Fraction bits of the fixed-point re-rounding: |S| * 2**bits must fit
-    # int32 (24 for int8 sums, 16 for int16 ones).
-    fraction_bits = min(_random.PROBABILITY_BITS, 31 - limit.bit_length())
+        return _window_init(seed, min_size, code_sum_dtype, params)
 
     def add(acc, grads, weight):
-        _checks.floating_leaves(grads, "ternary_accumulate: gradients")
-        real_leaves(grads, "ternary_accumulate: gradients")
-        _checks.same_structure(
-            grads, acc.code_sums, "ternary_accumulate: gradients", "the parameters"
-        )
-        weight = jnp.asarray(weight, jnp.float32)
-        leaves, treedef = jax.tree.flatten(grads)
-        code_sums = jax.tree.leaves(acc.code_sums)
-        scales = jax.tree.leaves(acc.scales, is_leaf=is_masked)
-
-        def add_leaf(index, grad, code_sum, scale):
-            value = weight * grad.astype(jnp.float32)
-            if is_masked(scale):
-                return code_sum + value, scale
-            # The statistics of w * g from those of g: no w * g written out.
-            step_scale, bound, finite = scale_and_bound(
-                grad.astype(jnp.float32), clip_sigma, weight
-            )
-            new_scale = poison_if_nonfinite(finite, jnp.maximum(scale, step_scale))
-            random_bits = _random.bits(_random.stream(acc.key, index), value)
-            kept = _rescale(code_sum, scale, new_scale, random_bits)
-            # One draw serves both roundings: each stays unbiased on its own,
-            # and mirroring the bits where v > 0 makes the covariance of the
-            # two terms <= 0 for either sign of v (the re-rounding adds +1 for
-            # small bits, the code +1 for large ones or -1 for small ones),
-            # so sharing the draw can only lower the variance of their sum.
-            mirrored = jnp.where(value > 0, ~random_bits, random_bits)
-            codes = codes_from_bits(value, new_scale, bound, mirrored)
-            new_sum = jnp.clip(kept + codes.astype(jnp.int32), -limit, limit)
-            # A NaN scale marks the window as poisoned until reset.
-            new_sum = jnp.where(jnp.isfinite(new_scale), new_sum, 0)
-            return new_sum.astype(code_sum_dtype), new_scale
-
-        def _rescale(code_sum, scale, new_scale, random_bits):
-            """round(S * s / s') in int32, unbiased: fixed point, exact at s = s'."""
-            ratio = jnp.where(
-                new_scale > 0, scale / jnp.where(new_scale > 0, new_scale, 1), 0
-            )
-            # ratio <= 1 in fixed point; rounding it to 2**-fraction_bits is
-            # the one deterministic rounding (at most |S| * 2**-25 codes).
-            ratio = jnp.round(jnp.minimum(ratio, 1) * 2**fraction_bits)
-            scaled = code_sum.astype(jnp.int32) * ratio.astype(jnp.int32)
-            fraction = scaled & ((1 << fraction_bits) - 1)
-            draw = (random_bits >> (32 - fraction_bits)).astype(jnp.int32)
-            return (scaled >> fraction_bits) + (draw < fraction).astype(jnp.int32)
-
-        pairs = [
-            add_leaf(i, *args)
-            for i, args in enumerate(zip(leaves, code_sums, scales, strict=True))
-        ]
-        new_acc = TernaryAccumulatorState(
-            _random.advance(acc.key),
-            jax.tree.unflatten(treedef, [pair[0] for pair in pairs]),
-            jax.tree.unflatten(
-                jax.tree.structure(acc.scales, is_leaf=is_masked),
-                [pair[1] for pair in pairs],
-            ),
-        )
-        # A zero weight (a skipped micro-batch) must change nothing, even if
-        # its gradients hold NaN (0 * NaN is NaN): a select, not a multiply.
-        return jax.tree.map(
-            lambda new, old: jnp.where(weight != 0, new, old), new_acc, acc
-        )
+        return _window_add(acc, grads, weight, clip_sigma, code_sums)
 
     def total(acc):
         def leaf_total(code_sum, scale):
@@ -206,23 +125,136 @@ def _ternary_window_accumulator(
     )
 
 
-def ternary_accumulate(
-    opt: optax.GradientTransformation,
-    every_k: int | Callable[[jax.Array], jax.Array],
-    *,
-    seed: int = 0,
-    clip_sigma: float | None = 2.5,
-    min_size: int = DEFAULT_MIN_SIZE,
-    max_every_k: int | None = None,
-    use_grad_mean: bool = True,
-    should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
-    skip_nonfinite: bool = False,
-    count_skipped: bool = False,
-    track_noise_scale: bool = False,
-    noise_scale_decay: float = 0.95,
-    unreduced_axes: str | Sequence[str] = (),
-) -> AccumulationTransformation:
-    """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
+class _CodeSums(NamedTuple):
+    """How a window's code sums are stored: their integer dtype, the
+    ``limit`` they saturate at (``|S| <= limit``) and the fraction bits of
+    their fixed-point re-rounding."""
+
+    dtype: Any
+    limit: int
+    fraction_bits: int
+
+    @classmethod
+    def of(cls, dtype: Any) -> _CodeSums:
+        limit = int(jnp.iinfo(dtype).max)
+        # Fraction bits of the fixed-point re-rounding: |S| * 2**bits must fit
+        # int32 (24 for int8 sums, 16 for int16 ones).
+        fraction_bits = min(_random.PROBABILITY_BITS, 31 - limit.bit_length())
+        return cls(dtype, limit, fraction_bits)
+
+
+def _window_init(
+    seed: int, min_size: int, code_sum_dtype: Any, params: Any
+) -> TernaryAccumulatorState:
+    """An empty window: zero code sums (float32 sums for small leaves) and
+    zero scales, with the seed's random stream."""
+    real_leaves(params, "ternary_accumulate: params")
+
+    def code_sum_init(param):
+        if is_compressed(param, min_size):
+            return _tree.zeros_like(param, code_sum_dtype)
+        return _tree.zeros_like(param, jnp.float32)
+
+    def scale_init(param):
+        if is_compressed(param, min_size):
+            return jnp.zeros((), jnp.float32)
+        return optax.MaskedNode()
+
+    return TernaryAccumulatorState(
+        _random.seed_state(seed),
+        jax.tree.map(code_sum_init, params),
+        jax.tree.map(scale_init, params),
+    )
+
+
+def _window_add(
+    acc: TernaryAccumulatorState,
+    grads: Any,
+    weight: Any,
+    clip_sigma: float | None,
+    code_sums: _CodeSums,
+) -> TernaryAccumulatorState:
+    """The window with ``weight * grads`` added (see `_add_leaf`); the same
+    window where ``weight`` is 0."""
+    _checks.floating_leaves(grads, "ternary_accumulate: gradients")
+    real_leaves(grads, "ternary_accumulate: gradients")
+    _checks.same_structure(
+        grads, acc.code_sums, "ternary_accumulate: gradients", "the parameters"
+    )
+    weight = jnp.asarray(weight, jnp.float32)
+    leaves, treedef = jax.tree.flatten(grads)
+    sums = jax.tree.leaves(acc.code_sums)
+    scales = jax.tree.leaves(acc.scales, is_leaf=is_masked)
+    pairs = [
+        _add_leaf(acc.key, i, weight, clip_sigma, code_sums, *args)
+        for i, args in enumerate(zip(leaves, sums, scales, strict=True))
+    ]
+    new_acc = TernaryAccumulatorState(
+        _random.advance(acc.key),
+        jax.tree.unflatten(treedef, [pair[0] for pair in pairs]),
+        jax.tree.unflatten(
+            jax.tree.structure(acc.scales, is_leaf=is_masked),
+            [pair[1] for pair in pairs],
+        ),
+    )
+    # A zero weight (a skipped micro-batch) must change nothing, even if
+    # its gradients hold NaN (0 * NaN is NaN): a select, not a multiply.
+    return jax.tree.map(lambda new, old: jnp.where(weight != 0, new, old), new_acc, acc)
+
+
+def _add_leaf(
+    key: jax.Array,
+    index: int,
+    weight: jax.Array,
+    clip_sigma: float | None,
+    code_sums: _CodeSums,
+    grad: jax.Array,
+    code_sum: jax.Array,
+    scale: Any,
+) -> tuple[jax.Array, Any]:
+    """``(code sum, scale)`` of leaf ``index`` after adding ``weight * grad``:
+    the scale grows to cover it, the sum so far is re-rounded to that scale
+    (`_rescale`) and the codes of ``weight * grad`` are added; small leaves
+    add ``weight * grad`` to their float32 sum."""
+    value = weight * grad.astype(jnp.float32)
+    if is_masked(scale):
+        return code_sum + value, scale
+    # The statistics of w * g from those of g: no w * g written out.
+    step_scale, bound, finite = scale_and_bound(
+        grad.astype(jnp.float32), clip_sigma, weight
+    )
+    new_scale = poison_if_nonfinite(finite, jnp.maximum(scale, step_scale))
+    random_bits = _random.bits(_random.stream(key, index), value)
+    kept = _rescale(code_sum, scale, new_scale, random_bits, code_sums.fraction_bits)
+    # One draw serves both roundings: each stays unbiased on its own,
+    # and mirroring the bits where v > 0 makes the covariance of the
+    # two terms <= 0 for either sign of v (the re-rounding adds +1 for
+    # small bits, the code +1 for large ones or -1 for small ones),
+    # so sharing the draw can only lower the variance of their sum.
+    mirrored = jnp.where(value > 0, ~random_bits, random_bits)
+    codes = codes_from_bits(value, new_scale, bound, mirrored)
+    limit = code_sums.limit
+    new_sum = jnp.clip(kept + codes.astype(jnp.int32), -limit, limit)
+    # A NaN scale marks the window as poisoned until reset.
+    new_sum = jnp.where(jnp.isfinite(new_scale), new_sum, 0)
+    return new_sum.astype(code_sums.dtype), new_scale
+
+
+def _rescale(code_sum, scale, new_scale, random_bits, fraction_bits):
+    """round(S * s / s') in int32, unbiased: fixed point, exact at s = s'."""
+    ratio = jnp.where(new_scale > 0, scale / jnp.where(new_scale > 0, new_scale, 1), 0)
+    # ratio <= 1 in fixed point; rounding it to 2**-fraction_bits is
+    # the one deterministic rounding (at most |S| * 2**-25 codes).
+    ratio = jnp.round(jnp.minimum(ratio, 1) * 2**fraction_bits)
+    scaled = code_sum.astype(jnp.int32) * ratio.astype(jnp.int32)
+    fraction = scaled & ((1 << fraction_bits) - 1)
+    draw = (random_bits >> (32 - fraction_bits)).astype(jnp.int32)
+    return (scaled >> fraction_bits) + (draw < fraction).astype(jnp.int32)
+
+
+# The public docstring, byte for byte as it was inside the function, which
+# it would make longer than 80 lines; set as its ``__doc__`` below it.
+_API_DOC = """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
 
     `MultiSteps` whose window sum is stored as integer sums of TernGrad codes
     (Wen et al., NeurIPS 2017) plus one float32 scale per leaf, instead of a
@@ -289,6 +321,25 @@ def ternary_accumulate(
       ``reset``, ``stats``, ``has_updated``), as `MultiSteps` gives; the
       state's ``acc_grads`` is a `TernaryAccumulatorState`.
     """
+
+
+def ternary_accumulate(
+    opt: optax.GradientTransformation,
+    every_k: int | Callable[[jax.Array], jax.Array],
+    *,
+    seed: int = 0,
+    clip_sigma: float | None = 2.5,
+    min_size: int = DEFAULT_MIN_SIZE,
+    max_every_k: int | None = None,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
+    skip_nonfinite: bool = False,
+    count_skipped: bool = False,
+    track_noise_scale: bool = False,
+    noise_scale_decay: float = 0.95,
+    unreduced_axes: str | Sequence[str] = (),
+) -> AccumulationTransformation:
+    # The docstring is `_API_DOC` above.
     if isinstance(every_k, AdaptiveWindow):
         limit = every_k.k_max
     elif callable(every_k):
@@ -317,3 +368,6 @@ def ternary_accumulate(
         track_noise_scale=track_noise_scale,
         noise_scale_decay=noise_scale_decay,
     ).gradient_transformation()
+
+
+ternary_accumulate.__doc__ = _API_DOC

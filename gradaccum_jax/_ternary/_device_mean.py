@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -202,99 +202,157 @@ def ternary_average_across_devices(
     """
     axis = _checks.axis_name("axis_name", axis_name)
     seed, clip_sigma, min_size = common_config(seed, clip_sigma, min_size)
-    caller = "ternary_average_across_devices"
     error_feedback = _checks.boolean("error_feedback", error_feedback)
     keep_residual = keeps_residual(error_feedback, True, clip_sigma)
+    config = _MeanConfig(axis, clip_sigma, min_size, keep_residual)
 
     def init_fn(params):
-        real_leaves(params, f"{caller}: params")
+        real_leaves(params, f"{_CALLER}: params")
         return TernaryState(
             _random.seed_state(seed), residual_init(params, min_size, keep_residual)
         )
 
     def update_fn(updates, state, params=None, *, weight=None, **extra_args):
         del params, extra_args
-        check_updates(updates, state.residual, caller, min_size, keep_residual)
-        num_devices = _checks.bound_axis_size(axis, caller)
-        device = jax.lax.axis_index(axis)
-        leaves, treedef = jax.tree.flatten(updates)
-        residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
-        compressed = [i for i, x in enumerate(leaves) if is_compressed(x, min_size)]
-        exact = [i for i in range(len(leaves)) if i not in compressed]
-        means, new_residuals = list(leaves), list(residuals)
-
-        # Collective 1: the total weight and the uncompressed leaves' sums
-        # in one all-reduce. A device's term is a select, not a multiply, so
-        # a weight-0 device's NaN gradients contribute nothing (0 * NaN).
-        if weight is None:
-            raw = jnp.float32(1.0)
-            sums = _psum_list([leaves[i].astype(jnp.float32) for i in exact], axis)
-            total = jnp.float32(num_devices)
-        else:
-            raw = _weights.scalar_weight(weight, caller)
-            sums = [_weighted(raw, leaves[i]) for i in exact]
-            total, *sums = _psum_list([raw, *sums], axis)
-        share, has_weight = _weights.share(raw, total)
-        inverse_total = _weights.share(jnp.float32(1.0), total)[0]
-        for i, leaf_sum in zip(exact, sums, strict=True):
-            means[i] = (leaf_sum * inverse_total).astype(leaves[i].dtype)
-
-        # This device's share of the mean, plus what it failed to send before.
-        inputs = {i: _weighted(share, leaves[i]) for i in compressed}
-        if keep_residual:
-            inputs = {i: x + residuals[i] for i, x in inputs.items()}
-        bounds, local_scales = {}, []
-        for i, x in inputs.items():
-            if keep_residual:
-                scale, bounds[i], finite = scale_and_bound(x, clip_sigma)
-            else:
-                # The statistics of share * g from g's own reductions: XLA:CPU
-                # would write the product out for them, an extra pass. A
-                # weight-0 device stays out even with non-finite gradients.
-                scale, bounds[i], finite = scale_and_bound(
-                    leaves[i].astype(jnp.float32), clip_sigma, share
-                )
-                scale = jnp.where(share != 0, scale, 0.0)
-                bounds[i] = jnp.where(share != 0, bounds[i], 0.0)  # not 0 * inf
-                finite = finite | (share == 0)
-            # A non-finite input is marked +inf, not NaN: max is guaranteed
-            # to propagate inf to every device.
-            local_scales.append(jnp.where(finite, scale, jnp.inf))
-        # Collective 2: one pmax for all leaves' scales.
-        scales = dict(zip(compressed, _pmax_stacked(local_scales, axis), strict=True))
-        codes = {
-            i: stochastic_codes(
-                x, scales[i], bounds[i], _random.stream(state.key, i, device)
-            )
-            for i, x in inputs.items()
-        }
-        # Collective 3: every leaf's codes in one packed integer psum.
-        code_sums = dict(
-            zip(
-                codes, packed_psum(list(codes.values()), axis, num_devices), strict=True
-            )
-        )
-
-        for i in compressed:
-            finite = jnp.isfinite(scales[i])
-            mean = jnp.where(
-                finite, ternary_dequantize(code_sums[i], scales[i]), jnp.nan
-            )
-            means[i] = jnp.where(has_weight, mean, 0.0).astype(leaves[i].dtype)
-            if keep_residual:
-                new_residuals[i] = jnp.where(
-                    finite & has_weight,
-                    inputs[i] - clip(inputs[i], bounds[i]),
-                    residuals[i],
-                )
-
-        residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
-        return (
-            jax.tree.unflatten(treedef, means),
-            TernaryState(
-                _random.advance(state.key),
-                jax.tree.unflatten(residual_treedef, new_residuals),
-            ),
-        )
+        check_updates(updates, state.residual, _CALLER, min_size, keep_residual)
+        return _ternary_mean(config, updates, state, weight)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_CALLER = "ternary_average_across_devices"
+
+
+class _MeanConfig(NamedTuple):
+    """The checked arguments of one `ternary_average_across_devices`."""
+
+    axis: Any
+    clip_sigma: float | None
+    min_size: int
+    keep_residual: bool
+
+
+def _ternary_mean(
+    config: _MeanConfig, updates: Any, state: TernaryState, weight: Any
+) -> tuple[Any, TernaryState]:
+    """One step: the mean of ``updates`` over the devices, and the new state."""
+    num_devices = _checks.bound_axis_size(config.axis, _CALLER)
+    device = jax.lax.axis_index(config.axis)
+    leaves, treedef = jax.tree.flatten(updates)
+    residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    compressed = [i for i, x in enumerate(leaves) if is_compressed(x, config.min_size)]
+    exact = [i for i in range(len(leaves)) if i not in compressed]
+    means, new_residuals = list(leaves), list(residuals)
+    exact_means, share, has_weight = _exact_means(
+        leaves, exact, weight, config.axis, num_devices
+    )
+    for i, mean in exact_means.items():
+        means[i] = mean
+
+    # This device's share of the mean, plus what it failed to send before.
+    inputs = {i: _weighted(share, leaves[i]) for i in compressed}
+    if config.keep_residual:
+        inputs = {i: x + residuals[i] for i, x in inputs.items()}
+    scales, bounds = _common_scales(config, leaves, inputs, share)
+    random_streams = {i: _random.stream(state.key, i, device) for i in inputs}
+    code_sums = _summed_codes(
+        inputs, scales, bounds, random_streams, config.axis, num_devices
+    )
+    for i in compressed:
+        finite = jnp.isfinite(scales[i])
+        mean = jnp.where(finite, ternary_dequantize(code_sums[i], scales[i]), jnp.nan)
+        means[i] = jnp.where(has_weight, mean, 0.0).astype(leaves[i].dtype)
+        if config.keep_residual:
+            new_residuals[i] = jnp.where(
+                finite & has_weight,
+                inputs[i] - clip(inputs[i], bounds[i]),
+                residuals[i],
+            )
+
+    residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
+    return (
+        jax.tree.unflatten(treedef, means),
+        TernaryState(
+            _random.advance(state.key),
+            jax.tree.unflatten(residual_treedef, new_residuals),
+        ),
+    )
+
+
+def _exact_means(
+    leaves: list[jax.Array],
+    exact: list[int],
+    weight: Any,
+    axis: Any,
+    num_devices: int,
+) -> tuple[dict[int, jax.Array], jax.Array, jax.Array]:
+    """Collective 1: the total weight and the uncompressed leaves' sums in
+    one all-reduce. Returns those leaves' means by index, this device's
+    share of the mean and whether the total weight is nonzero."""
+    # A device's term is a select, not a multiply, so a weight-0 device's
+    # NaN gradients contribute nothing (0 * NaN).
+    if weight is None:
+        raw = jnp.float32(1.0)
+        sums = _psum_list([leaves[i].astype(jnp.float32) for i in exact], axis)
+        total = jnp.float32(num_devices)
+    else:
+        raw = _weights.scalar_weight(weight, _CALLER)
+        sums = [_weighted(raw, leaves[i]) for i in exact]
+        total, *sums = _psum_list([raw, *sums], axis)
+    share, has_weight = _weights.share(raw, total)
+    inverse_total = _weights.share(jnp.float32(1.0), total)[0]
+    means = {
+        i: (leaf_sum * inverse_total).astype(leaves[i].dtype)
+        for i, leaf_sum in zip(exact, sums, strict=True)
+    }
+    return means, share, has_weight
+
+
+def _common_scales(
+    config: _MeanConfig,
+    leaves: list[jax.Array],
+    inputs: dict[int, jax.Array],
+    share: jax.Array,
+) -> tuple[dict[int, jax.Array], dict[int, jax.Array]]:
+    """Collective 2: the scale every device codes each compressed leaf
+    against (the pmax of the devices' clipping bounds, +inf where any input
+    is not finite), and this device's clipping bounds, by leaf index."""
+    bounds, local_scales = {}, []
+    for i, x in inputs.items():
+        if config.keep_residual:
+            scale, bounds[i], finite = scale_and_bound(x, config.clip_sigma)
+        else:
+            # The statistics of share * g from g's own reductions: XLA:CPU
+            # would write the product out for them, an extra pass. A
+            # weight-0 device stays out even with non-finite gradients.
+            scale, bounds[i], finite = scale_and_bound(
+                leaves[i].astype(jnp.float32), config.clip_sigma, share
+            )
+            scale = jnp.where(share != 0, scale, 0.0)
+            bounds[i] = jnp.where(share != 0, bounds[i], 0.0)  # not 0 * inf
+            finite = finite | (share == 0)
+        # A non-finite input is marked +inf, not NaN: max is guaranteed
+        # to propagate inf to every device.
+        local_scales.append(jnp.where(finite, scale, jnp.inf))
+    # One pmax for all leaves' scales.
+    scales = dict(zip(inputs, _pmax_stacked(local_scales, config.axis), strict=True))
+    return scales, bounds
+
+
+def _summed_codes(
+    inputs: dict[int, jax.Array],
+    scales: dict[int, jax.Array],
+    bounds: dict[int, jax.Array],
+    random_streams: dict[int, jax.Array],
+    axis: Any,
+    num_devices: int,
+) -> dict[int, jax.Array]:
+    """Collective 3: this device's TernGrad codes of each input against its
+    common scale, summed over the devices in one packed integer psum; the
+    int32 code sums by leaf index."""
+    codes = {
+        i: stochastic_codes(x, scales[i], bounds[i], random_streams[i])
+        for i, x in inputs.items()
+    }
+    sums = packed_psum(list(codes.values()), axis, num_devices)
+    return dict(zip(codes, sums, strict=True))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -91,42 +93,66 @@ def ternarize(
             _random.seed_state(seed), residual_init(params, min_size, keep_residual)
         )
 
+    config = _TernarizeConfig(stochastic, clip_sigma, min_size, keep_residual)
+
     def update_fn(updates, state, params=None):
         del params
         check_updates(updates, state.residual, "ternarize", min_size, keep_residual)
-        leaves, treedef = jax.tree.flatten(updates)
-        residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
-
-        def compress(index, update, residual):
-            if not is_compressed(update, min_size):
-                return update, residual
-            x = update.astype(jnp.float32)
-            if keep_residual:
-                x = x + residual
-            if stochastic:
-                scale, bound, finite = scale_and_bound(x, clip_sigma, tight=True)
-                codes = stochastic_codes(
-                    x, scale, bound, _random.stream(state.key, index)
-                )
-                expected = clip(x, bound)  # = E[sent]
-                scale = poison_if_nonfinite(finite, scale)
-                sent = ternary_dequantize(codes, scale)
-            else:
-                codes, scale = ternary_quantize(x)
-                sent = expected = ternary_dequantize(codes, scale)
-            if keep_residual:
-                residual = jnp.where(jnp.isfinite(scale), x - expected, residual)
-            return sent.astype(update.dtype), residual
-
-        pairs = [
-            compress(i, leaf, residual)
-            for i, (leaf, residual) in enumerate(zip(leaves, residuals, strict=True))
-        ]
-        sent = jax.tree.unflatten(treedef, [pair[0] for pair in pairs])
-        residual = jax.tree.unflatten(
-            jax.tree.structure(state.residual, is_leaf=is_masked),
-            [pair[1] for pair in pairs],
-        )
-        return sent, TernaryState(_random.advance(state.key), residual)
+        return _ternarized(config, updates, state)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+class _TernarizeConfig(NamedTuple):
+    """The checked arguments of one `ternarize`."""
+
+    stochastic: bool
+    clip_sigma: float | None
+    min_size: int
+    keep_residual: bool
+
+
+def _ternarized(
+    config: _TernarizeConfig, updates: Any, state: TernaryState
+) -> tuple[Any, TernaryState]:
+    """One step: every leaf's ternary reconstruction, and the new state."""
+    leaves, treedef = jax.tree.flatten(updates)
+    residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    pairs = [
+        _compressed_leaf(config, state.key, i, leaf, residual)
+        for i, (leaf, residual) in enumerate(zip(leaves, residuals, strict=True))
+    ]
+    sent = jax.tree.unflatten(treedef, [pair[0] for pair in pairs])
+    residual = jax.tree.unflatten(
+        jax.tree.structure(state.residual, is_leaf=is_masked),
+        [pair[1] for pair in pairs],
+    )
+    return sent, TernaryState(_random.advance(state.key), residual)
+
+
+def _compressed_leaf(
+    config: _TernarizeConfig,
+    key: jax.Array,
+    index: int,
+    update: jax.Array,
+    residual: Any,
+) -> tuple[jax.Array, Any]:
+    """``(sent, new residual)`` for leaf ``index``: its reconstruction in its
+    dtype (the leaf itself below ``min_size``) and the compressor's bias."""
+    if not is_compressed(update, config.min_size):
+        return update, residual
+    x = update.astype(jnp.float32)
+    if config.keep_residual:
+        x = x + residual
+    if config.stochastic:
+        scale, bound, finite = scale_and_bound(x, config.clip_sigma, tight=True)
+        codes = stochastic_codes(x, scale, bound, _random.stream(key, index))
+        expected = clip(x, bound)  # = E[sent]
+        scale = poison_if_nonfinite(finite, scale)
+        sent = ternary_dequantize(codes, scale)
+    else:
+        codes, scale = ternary_quantize(x)
+        sent = expected = ternary_dequantize(codes, scale)
+    if config.keep_residual:
+        residual = jnp.where(jnp.isfinite(scale), x - expected, residual)
+    return sent.astype(update.dtype), residual

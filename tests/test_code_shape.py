@@ -1,0 +1,239 @@
+"""The package keeps sizes a reader can hold: no module over 500 lines, no
+function or method (nested ones included, from ``def`` to its last line) over
+80 lines, no class body over 300 lines, and no import cycle among its
+modules. Read from the source with ``ast``; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import textwrap
+
+import pytest
+
+PACKAGE = "gradaccum_jax"
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 300
+
+
+def module_paths(package_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Every module of the package under ``package_dir``, by dotted name
+    (a package by its own name, for its ``__init__.py``)."""
+    modules = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _lines(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def size_violations(path: pathlib.Path, label: str) -> list[str]:
+    """What in the module at ``path`` is over its size limit, one line each,
+    naming ``label`` (the file), the object and its size."""
+    source = path.read_text()
+    found = []
+    module_lines = len(source.splitlines())
+    if module_lines > MAX_MODULE_LINES:
+        found.append(
+            f"{label}: module is {module_lines} lines (limit {MAX_MODULE_LINES})"
+        )
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                if _lines(child) > MAX_FUNCTION_LINES:
+                    found.append(
+                        f"{label}: function {name} (line {child.lineno}) is "
+                        f"{_lines(child)} lines (limit {MAX_FUNCTION_LINES})"
+                    )
+                name += "."
+            elif isinstance(child, ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                if _lines(child) > MAX_CLASS_LINES:
+                    found.append(
+                        f"{label}: class {name} (line {child.lineno}) is "
+                        f"{_lines(child)} lines (limit {MAX_CLASS_LINES})"
+                    )
+                name += "."
+            visit(child, name)
+
+    visit(ast.parse(source, filename=str(path)), "")
+    return found
+
+
+def _imported_modules(
+    tree: ast.Module, module: str, is_package: bool, known: set[str]
+) -> set[str]:
+    """The package modules that ``module`` imports anywhere in its source
+    (inside functions and ``if TYPE_CHECKING:`` too).
+
+    ``from a import b`` names the module ``a.b`` when that is a module, else
+    ``a`` itself; relative imports are resolved against ``module``'s package.
+    Parent packages that Python also runs on the way are not counted: every
+    submodule import would otherwise be an edge to the package's
+    ``__init__``.
+    """
+    package_parts = module.split(".") if is_package else module.split(".")[:-1]
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package_parts[: len(package_parts) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                imported.add(submodule if submodule in known else source)
+    return {name for name in imported if name in known and name != module}
+
+
+def import_graph(package_dir: pathlib.Path) -> dict[str, set[str]]:
+    """Module -> the package modules it imports."""
+    modules = module_paths(package_dir)
+    known = set(modules)
+    return {
+        module: _imported_modules(
+            ast.parse(path.read_text(), filename=str(path)),
+            module,
+            path.name == "__init__.py",
+            known,
+        )
+        for module, path in modules.items()
+    }
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest cycle through each module that is on a cycle, each as a
+    path that starts and ends at the same module; each cycle listed once."""
+    cycles, seen = [], set()
+    for start in sorted(graph):
+        # Breadth-first from start's imports back to start: the shortest cycle.
+        parents = {start: None}
+        frontier = [start]
+        closing = None
+        while frontier and closing is None:
+            next_frontier = []
+            for module in frontier:
+                for target in sorted(graph[module]):
+                    if target == start:
+                        closing = module
+                        break
+                    if target not in parents:
+                        parents[target] = module
+                        next_frontier.append(target)
+                if closing is not None:
+                    break
+            frontier = next_frontier
+        if closing is None:
+            continue
+        path = [closing]
+        while path[-1] != start:
+            path.append(parents[path[-1]])
+        path.reverse()
+        key = frozenset(path)
+        if key not in seen:
+            seen.add(key)
+            cycles.append([*path, start])
+    return cycles
+
+
+MODULES = module_paths(PACKAGE_DIR)
+
+
+@pytest.mark.parametrize(
+    "path",
+    MODULES.values(),
+    ids=[str(p.relative_to(PACKAGE_DIR.parent)) for p in MODULES.values()],
+)
+def test_module_function_and_class_sizes(path):
+    label = str(path.relative_to(PACKAGE_DIR.parent))
+    found = size_violations(path, label)
+    assert not found, "\n".join(found)
+
+
+def test_no_import_cycle_among_package_modules():
+    cycles = import_cycles(import_graph(PACKAGE_DIR))
+    assert not cycles, "\n".join("import cycle: " + " -> ".join(c) for c in cycles)
+
+
+def test_the_graph_sees_the_package_imports():
+    # The cycle test would pass on an empty graph: pin a few known edges.
+    graph = import_graph(PACKAGE_DIR)
+    assert "gradaccum_jax._tree" in graph["gradaccum_jax._microbatching._scan"]
+    assert "gradaccum_jax._checks" in graph["gradaccum_jax._averaging"]
+    assert "gradaccum_jax._microbatching" in graph["gradaccum_jax"]
+
+
+def _write(root: pathlib.Path, relative: str, source: str) -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(source))
+
+
+def test_the_checker_catches_oversized_objects(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    _write(
+        tmp_path,
+        "pkg/big.py",
+        "def outer():\n"
+        "    def inner():\n"
+        + "".join("    " + line + "\n" for line in body.splitlines())
+        + "    return inner\n"
+        "\n"
+        "class Small:\n"
+        "    def fine(self):\n"
+        "        return 1\n",
+    )
+    found = size_violations(tmp_path / "pkg/big.py", "pkg/big.py")
+    assert found == [
+        "pkg/big.py: function outer (line 1) is 83 lines (limit 80)",
+        "pkg/big.py: function outer.inner (line 2) is 81 lines (limit 80)",
+    ]
+    methods = "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(160))
+    _write(tmp_path, "pkg/wide.py", "class Wide:\n" + methods)
+    assert size_violations(tmp_path / "pkg/wide.py", "pkg/wide.py") == [
+        "pkg/wide.py: class Wide (line 1) is 321 lines (limit 300)"
+    ]
+    _write(tmp_path, "pkg/long.py", "x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert size_violations(tmp_path / "pkg/long.py", "pkg/long.py") == [
+        "pkg/long.py: module is 501 lines (limit 500)"
+    ]
+
+
+def test_the_checker_catches_an_import_cycle(tmp_path):
+    _write(tmp_path, "pkg/__init__.py", "from pkg._a import a\n")
+    _write(tmp_path, "pkg/_a.py", "from pkg import _b\n\ndef a():\n    return _b\n")
+    _write(
+        tmp_path,
+        "pkg/_b.py",
+        "def b():\n    from ._sub._c import c\n    return c\n",
+    )
+    _write(tmp_path, "pkg/_sub/__init__.py", "")
+    _write(tmp_path, "pkg/_sub/_c.py", "from .. import _a\n\nc = 1\n")
+    _write(tmp_path, "pkg/_d.py", "import pkg._a\nimport typing\n")
+    graph = import_graph(tmp_path / "pkg")
+    assert graph == {
+        "pkg": {"pkg._a"},
+        "pkg._a": {"pkg._b"},
+        "pkg._b": {"pkg._sub._c"},
+        "pkg._sub": set(),
+        "pkg._sub._c": {"pkg._a"},
+        "pkg._d": {"pkg._a"},
+    }
+    assert import_cycles(graph) == [["pkg._a", "pkg._b", "pkg._sub._c", "pkg._a"]]
+    # Breaking one edge breaks the cycle.
+    _write(tmp_path, "pkg/_sub/_c.py", "c = 1\n")
+    assert import_cycles(import_graph(tmp_path / "pkg")) == []
