@@ -7,7 +7,7 @@ from typing import Any
 import optax
 
 from gradaccum_jax import _checks, _noise_scale, _partials
-from gradaccum_jax._accumulation import _engine
+from gradaccum_jax._accumulation._parts import Parts
 from gradaccum_jax._accumulation._store import DecodedWindow, SharedWindow
 from gradaccum_jax._accumulation._window_size import window_size_policy
 from gradaccum_jax._statistic import WindowStatistic
@@ -32,7 +32,7 @@ def engine_parts(
     track_noise_scale,
     noise_scale_decay,
     statistics,
-) -> _engine.Parts:
+) -> Parts:
     """The engine's parts for `MultiSteps`' arguments, validated."""
     window_size = window_size_policy(every_k_schedule)
     track_noise_scale = window_size.needs_noise_scale or _checks.boolean(
@@ -50,7 +50,7 @@ def engine_parts(
     statistics = _statistics(statistics)
     noise = (_noise_scale.noise_scale_statistic(noise_scale_decay),)
     noise = noise if track_noise_scale else ()
-    return _engine.Parts(
+    return Parts(
         opt=optax.with_extra_args_support(_checks.transformation("opt", opt)),
         store=_store(accumulator_dtype, window_accumulator, unreduced_axes),
         reduction=_window_reduction(window_reduction, unreduced_axes),

@@ -8,17 +8,15 @@ the noise scale's in ``noise`` (its documented field), the user's in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _tree
+from gradaccum_jax._accumulation._parts import Parts
 from gradaccum_jax._accumulation._state import MultiStepsState
 from gradaccum_jax._partials import TermsLayout
-
-if TYPE_CHECKING:  # the engine's configuration, for annotations only
-    from gradaccum_jax._accumulation._engine import Parts
 
 
 def statistic_states(parts: Parts, state: MultiStepsState) -> list[Any]:
