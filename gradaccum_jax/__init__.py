@@ -61,6 +61,15 @@ from gradaccum_jax._measure import (
 # --- data parallelism under jax.jit: per-device gradients ---
 from gradaccum_jax._local import local_value_and_grad
 
+# --- DiLoCo: low-communication data parallelism ---
+from gradaccum_jax._diloco import (
+    DiLoCoState,
+    anchor_params,
+    diloco,
+    stack_workers,
+    worker_value_and_grad,
+)
+
 # --- micro-batching inside one step ---
 from gradaccum_jax._microbatching import microbatched_value_and_grad
 
@@ -73,11 +82,14 @@ __all__ = [
     "adaptive_every_k",
     "AccumulationTransformation",
     "AllReduce",
+    "anchor_params",
     "all_reduce_nbytes",
     "all_reduces",
     "average_across_devices",
     "clip",
     "clip_by_global_norm",
+    "diloco",
+    "DiLoCoState",
     "ClipByGlobalNormState",
     "float_accumulator",
     "global_norm",
@@ -91,6 +103,7 @@ __all__ = [
     "ShouldSkipUpdateFunction",
     "skip_large_updates",
     "skip_not_finite",
+    "stack_workers",
     "state_nbytes",
     "ternarize",
     "ternary_accumulate",
@@ -101,4 +114,5 @@ __all__ = [
     "TernaryAccumulatorState",
     "TernaryState",
     "WindowAccumulator",
+    "worker_value_and_grad",
 ]
