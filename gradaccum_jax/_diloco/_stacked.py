@@ -72,6 +72,13 @@ def run_stacked(
                 f"{workers} (see gradaccum_jax.stack_workers)."
             )
     per_worker_weight = weight is not None and np.ndim(weight) != 0
+    # Rows not yet laid out over the workers (a weight vector made on the
+    # host, say) are split here; those already split move nothing.
+    grads, state, params = jax.tree.map(
+        functools.partial(_split_rows, axis_name), (grads, state, params)
+    )
+    if per_worker_weight:
+        weight = _split_rows(axis_name, jnp.asarray(weight))
 
     def block(grads, state, params, weight):
         if per_worker_weight:
@@ -196,7 +203,7 @@ def _split_rows(axis_name: str, leaf: Any) -> Any:
     parts = _tree.partitions(leaf)
     if parts and parts[0] == axis_name:
         return leaf
-    return jax.sharding.reshard(leaf, P(axis_name))
+    return jax.sharding.reshard(leaf, P(axis_name, *parts[1:]))
 
 
 def worker_value_and_grad(
