@@ -695,3 +695,17 @@ def test_inner_chain_with_clipping_and_accumulation_matches_it_alone():
         want = optax.apply_updates(want, ref_updates)
     assert _max_error(got, want) < 1e-6
     assert _max_error(got, params) > 1e-2
+
+
+def test_after_a_sync_every_worker_is_on_the_anchor_to_rounding():
+    params = _params()
+    opt = ga.diloco(optax.adam(0.05), 4, axis_name="data")
+    stacked, state = run_pmap(opt, params, _grads(N, 4))
+    for name in params:
+        anchor = np.asarray(state.anchor[name])
+        np.testing.assert_array_equal(anchor, np.broadcast_to(anchor[0], anchor.shape))
+        worker = np.asarray(stacked[name])
+        # p + (a - p) is a but where a is much smaller than p: there, off
+        # by an ulp of p (the params are < 2 in magnitude).
+        assert np.all(np.abs(worker - anchor) <= np.spacing(np.float32(2)))
+        assert np.mean(worker == anchor) > 0.9
