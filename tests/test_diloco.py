@@ -709,3 +709,32 @@ def test_after_a_sync_every_worker_is_on_the_anchor_to_rounding():
         # by an ulp of p (the params are < 2 in magnitude).
         assert np.all(np.abs(worker - anchor) <= np.spacing(np.float32(2)))
         assert np.mean(worker == anchor) > 0.9
+
+
+def test_a_donated_step_updates_the_anchor_and_outer_state_in_place():
+    """Temporaries of one worker's donated step: the inner updates (read by
+    the sync loop, so written out) and the sync's float32 all-reduce buffer,
+    about 2x the params; copies of the anchor and of the outer momentum
+    would add 2x more. Plain Adam there fuses into 68 bytes."""
+    params = _big_params()
+    param_bytes = sum(p.nbytes for p in params.values())
+    first = functools.partial(jax.tree.map, lambda x: x[0])
+    again = functools.partial(jax.tree.map, lambda x: x[None])
+    opt = ga.diloco(optax.adam(0.01), 4, axis_name="data")
+    with jax.set_mesh(stacked_mesh("1d-explicit")):
+        stacked = ga.stack_workers(params, "data")
+        state = ga.stack_workers(opt.init(params), "data")
+
+        def body(params, state, grads):
+            params, state, grads = first((params, state, grads))
+            updates, state = opt.update(grads, state, params)
+            return again((optax.apply_updates(params, updates), state))
+
+        step = jax.shard_map(body, in_specs=P("data"), out_specs=P("data"))
+        compiled = (
+            jax.jit(step, donate_argnums=(0, 1))
+            .lower(stacked, state, stacked)
+            .compile()
+        )
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 2.2 * param_bytes, (temp, param_bytes)  # measured 2.04x

@@ -23,6 +23,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _tree
+from gradaccum_jax._diloco._state import DiLoCoState
 
 
 def _workers_axis(axis_name: Any, caller: str) -> int:
@@ -156,8 +157,6 @@ def anchor_params(state: Any) -> Any:
     Returns:
       The anchor params, unstacked.
     """
-    from gradaccum_jax._diloco._state import DiLoCoState  # noqa: PLC0415
-
     found = [
         node
         for node in jax.tree.leaves(
