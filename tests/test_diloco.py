@@ -290,20 +290,24 @@ def _param_sized(reductions, fraction=0.5):
     return [r for r in reductions if r.nbytes >= fraction * PARAM_F32_BYTES]
 
 
-@pytest.mark.parametrize("layout", ["1d-explicit", "1d-auto"])
+@pytest.mark.parametrize("layout", ["1d-explicit", "1d-auto", "2d-tp"])
 def test_sync_is_one_all_reduce_in_the_loop_and_nothing_else_runs_every_step(layout):
+    workers = 4 if layout == "2d-tp" else N
     _, _, compiled = run_stacked(
         ga.diloco(optax.adam(0.01), 4, axis_name="data"),
         _params(),
-        _grads(N, 1),
+        _grads(workers, 1),
         layout,
     )
     reductions = ga.all_reduces(compiled)
     assert [r for r in reductions if r.place == "entry"] == []
-    big = _param_sized(reductions)
+    # A device's block of the params in float32 (half of them with the
+    # tensor-parallel split over a model axis of 2), and one scalar: the
+    # presence of weight.
+    expected = PARAM_F32_BYTES // (2 if layout == "2d-tp" else 1)
+    big = [r for r in reductions if r.nbytes >= expected // 2]
     assert len(big) == 1 and big[0].place == "while-body"
-    # The params in float32, and one scalar: the presence of weight.
-    assert PARAM_F32_BYTES <= big[0].nbytes <= PARAM_F32_BYTES + 8
+    assert expected <= big[0].nbytes <= expected + 8
 
 
 def test_pmap_sync_all_reduce_is_in_the_loop():
