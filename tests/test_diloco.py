@@ -742,3 +742,51 @@ def test_a_donated_step_updates_the_anchor_and_outer_state_in_place():
         )
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= 2.2 * param_bytes, (temp, param_bytes)  # measured 2.04x
+
+
+def test_gradients_or_params_of_another_structure_name_the_leaf():
+    opt = ga.diloco(optax.sgd(0.1), 2)
+    params = _params()
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"gradients leaf \['w'\] has shape \(3,\)"):
+        opt.update({**params, "w": np.ones(3, np.float32)}, state, params)
+    other = {**params, "extra": np.ones(2, np.float32)}
+    with pytest.raises(
+        ValueError, match=r"params do not have the structure of the anchor"
+    ):
+        opt.update(other, state, other)
+    with pytest.raises(ValueError, match=r"gradient leaf \['b'\] has dtype int32"):
+        opt.update({**params, "b": np.ones(8, np.int32)}, state, params)
+
+
+@pytest.mark.parametrize("layout", ["1d-explicit", "1d-auto"])
+def test_worker_value_and_grad_is_each_workers_own_gradient(layout):
+    def loss_fn(params, x, y):
+        return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+    rs = np.random.RandomState(8)
+    params = {"w": rs.randn(4, 3).astype(np.float32), "b": np.zeros(3, np.float32)}
+    x = rs.randn(N * 5, 4).astype(np.float32)
+    y = rs.randn(N * 5, 3).astype(np.float32)
+    mesh = stacked_mesh(layout)
+    with jax.set_mesh(mesh):
+        stacked = ga.stack_workers(params, "data")
+        # Worker d's params differ: d added to w.
+        stacked = jax.jit(
+            lambda p: {
+                **p,
+                "w": p["w"] + jnp.arange(N, dtype=jnp.float32)[:, None, None],
+            }
+        )(stacked)
+        batch = jax.device_put((x, y), jax.NamedSharding(mesh, P("data")))
+        fn = jax.jit(ga.worker_value_and_grad(loss_fn, "data"))
+        loss, grads = fn(stacked, *batch)
+        compiled = fn.lower(stacked, *batch).compile()
+    assert ga.all_reduces(compiled) == []
+    assert loss.shape == (N,) and grads["w"].shape == (N, 4, 3)
+    for d in range(N):
+        own = {**params, "w": params["w"] + d}
+        rows = slice(5 * d, 5 * (d + 1))
+        want_loss, want = jax.value_and_grad(loss_fn)(own, x[rows], y[rows])
+        np.testing.assert_allclose(np.asarray(loss)[d], want_loss, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(grads["w"])[d], want["w"], rtol=1e-5)

@@ -169,6 +169,9 @@ def diloco(
                 "params): the outer gradient is the anchor minus them. Call "
                 "opt.update(grads, state, params)."
             )
+        _checks.same_structure(updates, params, "diloco: gradients", "the params")
+        _checks.same_structure(params, state.anchor, "diloco: params", "the anchor")
+        _checks.floating_leaves(updates, "diloco: gradient")
         worker_fn = functools.partial(
             worker_update, extra_args=extra_args, config=config
         )
