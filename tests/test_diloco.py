@@ -790,3 +790,18 @@ def test_worker_value_and_grad_is_each_workers_own_gradient(layout):
         want_loss, want = jax.value_and_grad(loss_fn)(own, x[rows], y[rows])
         np.testing.assert_allclose(np.asarray(loss)[d], want_loss, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(grads["w"])[d], want["w"], rtol=1e-5)
+
+
+def test_stack_workers_rejects_params_sharded_over_the_workers_axis():
+    mesh = stacked_mesh("2d-tp")
+    with jax.set_mesh(mesh):
+        fsdp = jax.device_put(
+            np.ones((8, 4), np.float32), jax.NamedSharding(mesh, P("data", None))
+        )
+        with pytest.raises(ValueError, match=r"sharded over 'data', the workers' axis"):
+            ga.stack_workers({"w": fsdp}, "data")
+        # Over the model axis it is fine, and the model partition stays.
+        tp = jax.device_put(fsdp, jax.NamedSharding(mesh, P(None, "model")))
+        stacked = ga.stack_workers({"w": tp}, "data")
+    assert jax.typeof(stacked["w"]).sharding.spec == P("data", None, "model")
+    assert stacked["w"].shape == (4, 8, 4)

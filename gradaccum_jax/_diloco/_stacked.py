@@ -130,6 +130,16 @@ def stack_workers(tree: Any, axis_name: str = "data") -> Any:
         jax.sharding.get_abstract_mesh()._name_to_type[axis_name] == AxisType.Explicit
     )
 
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if axis_name in _tree.mesh_axes_of(leaf):
+            raise ValueError(
+                f"stack_workers: leaf {jax.tree_util.keystr(path)} "
+                f"({jax.typeof(leaf)}) is sharded over {axis_name!r}, the "
+                "workers' axis: each worker holds whole params of its own "
+                "there (FSDP over the workers' axis is not supported). Shard "
+                "params over another mesh axis (a `model` or `fsdp` axis)."
+            )
+
     def stack(leaf):
         spec = P(axis_name, *_tree.partitions(leaf))
         repeated = jnp.broadcast_to(leaf[None], (workers, *jnp.shape(leaf)))

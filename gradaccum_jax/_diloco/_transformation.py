@@ -51,7 +51,9 @@ def diloco(
       layout). `stack_workers` builds them, `worker_value_and_grad` takes
       each worker's gradient on its shard of a global batch, and
       `anchor_params` gives the model to evaluate. ``weight=`` is then
-      None, a scalar, or one per worker (shape ``(n,)``).
+      None, a scalar, or one per worker (shape ``(n,)``). Params may be
+      sharded over other mesh axes (tensor parallelism over ``model``),
+      not over the workers' axis: each worker holds whole params.
     * ``axis_name=None``: a single worker (no communication at all).
 
     Which one is decided when ``update`` is traced. The sync runs inside a
