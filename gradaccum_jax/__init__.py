@@ -65,6 +65,15 @@ from gradaccum_jax._measure import (
 # --- data parallelism under jax.jit: per-device gradients ---
 from gradaccum_jax._local import local_value_and_grad
 
+# --- DiLoCo: low-communication data parallelism ---
+from gradaccum_jax._diloco import (
+    DiLoCoState,
+    anchor_params,
+    diloco,
+    stack_workers,
+    worker_value_and_grad,
+)
+
 # --- micro-batching inside one step ---
 from gradaccum_jax._microbatching import microbatched_value_and_grad
 
@@ -77,11 +86,14 @@ __all__ = [
     "adaptive_every_k",
     "AccumulationTransformation",
     "AllReduce",
+    "anchor_params",
     "all_reduce_nbytes",
     "all_reduces",
     "average_across_devices",
     "clip",
     "clip_by_global_norm",
+    "diloco",
+    "DiLoCoState",
     "ClipByGlobalNormState",
     "float_accumulator",
     "global_norm",
@@ -96,6 +108,7 @@ __all__ = [
     "ShouldSkipUpdateFunction",
     "skip_large_updates",
     "skip_not_finite",
+    "stack_workers",
     "state_nbytes",
     "ternarize",
     "ternary_accumulate",
@@ -109,4 +122,5 @@ __all__ = [
     "WindowAccumulator",
     "WindowReduction",
     "WindowStatistic",
+    "worker_value_and_grad",
 ]

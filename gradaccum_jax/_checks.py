@@ -264,3 +264,62 @@ def optional_callable(name: str, value: Any, signature: str) -> Any:
             f"`{name}` must be None or a callable {signature}, got {value!r}."
         )
     return value
+
+
+def fragments(value: Any, sync_every: int) -> int:
+    """Returns ``value`` as an int, or raises unless it is in [1, sync_every].
+
+    Each fragment of Streaming DiLoCo syncs at its own step of the
+    ``sync_every``-step cycle, so there can be no more fragments than steps.
+    (Whether there are enough parameter leaves is checked at ``init``.)
+    """
+    value = _integer_at_least("fragments", value, 1)
+    if value > sync_every:
+        raise ValueError(
+            f"`fragments` must be an integer in [1, sync_every] = [1, "
+            f"{sync_every}]: each fragment syncs at its own step of the "
+            f"cycle, got {value}."
+        )
+    return value
+
+
+def fragments_fit(value: int, num_leaves: int) -> None:
+    """Raises unless ``value`` fragments can each hold one of ``num_leaves``."""
+    if value > num_leaves:
+        raise ValueError(
+            f"`fragments` must be an integer in [1, number of parameter leaves] "
+            f"= [1, {num_leaves}]: a fragment is a group of whole leaves, got "
+            f"{value}."
+        )
+
+
+def outer_reduction(value: Any, axis: Any) -> Any:
+    """Returns ``value``, or raises unless it is None or a transformation.
+
+    A reduction averages over workers, so it needs workers: an
+    ``axis_name``.
+    """
+    if value is None:
+        return None
+    if not (
+        callable(getattr(value, "init", None))
+        and callable(getattr(value, "update", None))
+    ):
+        raise ValueError(
+            "`outer_reduction` must be None (a weighted float32 mean) or an "
+            "optax.GradientTransformation that averages over the workers' axis, "
+            "such as ternary_average_across_devices('data', seed=0), got "
+            f"{value!r}."
+        )
+    if axis is None:
+        raise ValueError(
+            "`outer_reduction` must be None when `axis_name` is None: with a "
+            "single worker there is nothing to average. Pass the workers' "
+            "axis as `axis_name` too."
+        )
+    return value
+
+
+def optional_axis_name(name: str, value: Any) -> Any:
+    """Returns None or a mapped-axis name (see `axis_name`)."""
+    return None if value is None else axis_name(name, value)

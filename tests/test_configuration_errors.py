@@ -44,6 +44,8 @@ VALID: dict[str, dict[str, Any]] = {
     "microbatched_value_and_grad": {"loss_fn": _loss, "num_microbatches": 2},
     "local_value_and_grad": {"loss_fn": _loss, "axis_name": "data"},
     "adaptive_every_k": {"micro_batch_size": 16, "k_min": 2, "k_max": 8},
+    "diloco": {"inner": optax.adam(1e-3), "sync_every": 4, "axis_name": "data"},
+    "worker_value_and_grad": {"loss_fn": _loss, "axis_name": "data"},
 }
 
 # Arguments that are inputs, not configuration.
@@ -56,6 +58,8 @@ NOT_CONSTRUCTORS = {
     "all_reduce_nbytes",
     "all_reduces",
     "ternary_dequantize",
+    "stack_workers",
+    "anchor_params",
     # optax's own functions, re-exported with optax's signatures.
     "skip_not_finite",
     "skip_large_updates",
@@ -241,6 +245,24 @@ TABLE: list[Row] = [
     Row("adaptive_every_k", "k_max", BAD_COUNTS, INTEGER_GE_1),
     # k_max below k_min.
     Row("adaptive_every_k", "k_max", (1,), r"integer >= k_min \(2\)"),
+    # DiLoCo.
+    Row("diloco", "inner", (None, optax.adam, "adam"), TRANSFORMATION),
+    Row("diloco", "outer", (optax.sgd, "sgd", 0.7), TRANSFORMATION),
+    Row("diloco", "sync_every", BAD_COUNTS, INTEGER_GE_1),
+    Row("diloco", "sync_every", (2**31,), WINDOW_RANGE),
+    Row("diloco", "axis_name", ("", 3, (), ("data", ""), ["data"]), AXIS_NAME),
+    Row(
+        "diloco",
+        "outer_reduction",
+        ("ternary", 3, ga.ternary_average_across_devices),
+        TRANSFORMATION,
+    ),
+    Row("diloco", "fragments", BAD_COUNTS, INTEGER_GE_1),
+    # Each fragment syncs at its own step of the 4-step cycle.
+    Row("diloco", "fragments", (5, 100), r"integer in \[1, sync_every\] = \[1, 4\]"),
+    Row("worker_value_and_grad", "loss_fn", (3, None), CALLABLE),
+    Row("worker_value_and_grad", "axis_name", ("", None, 3, ("data",)), AXIS_NAME),
+    Row("worker_value_and_grad", "has_aux", ("False", None), BOOL),
 ]
 
 
@@ -282,7 +304,11 @@ def test_valid_arguments_construct():
             assert isinstance(built, ga._partials.WindowReduction)
         elif name == "adaptive_every_k":
             assert isinstance(built, ga.AdaptiveWindow)
-        elif name in ("microbatched_value_and_grad", "local_value_and_grad"):
+        elif name in (
+            "microbatched_value_and_grad",
+            "local_value_and_grad",
+            "worker_value_and_grad",
+        ):
             assert callable(built) and not hasattr(built, "init"), name
         else:  # a transformation (MultiSteps is one with methods)
             assert callable(built.init) and callable(built.update), name

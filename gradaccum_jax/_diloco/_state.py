@@ -1,0 +1,70 @@
+"""`DiLoCoState`: one worker's inner state, the anchor and the outer states."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax._diloco._sync import reduction_init, wide
+
+
+class DiLoCoState(NamedTuple):
+    """State of `diloco`, one worker's (stacked on a leading axis for many).
+
+    Attributes:
+      cycle_step: int32, the calls made since the start of the current
+        ``sync_every``-step cycle, in ``[0, sync_every)``.
+      inner_state: the inner optimizer's state; each worker keeps its own.
+      anchor: the parameters as of the last sync (the outer parameters),
+        in the params' dtypes; the same on every worker.
+      outer_states: one outer optimizer state per fragment (a tuple), over
+        a list of the fragment's leaves in float32 (the outer step is taken
+        in float32 whatever the params' dtype); the same on every worker.
+      reduction_states: one ``outer_reduction`` state per fragment (a
+        tuple), over the same lists: ``optax.EmptyState()`` for the default
+        mean, a `TernaryState` (PRNG counter and this worker's
+        error-feedback residual) for ``ternary_average_across_devices``.
+      cycle_weights: float32 ``[fragments]``, the weight (e.g. tokens) this
+        worker saw since each fragment's last sync.
+
+    Every field is an array or a pytree of arrays, so the state goes
+    through ``jax.jit``, ``pmap``, ``shard_map`` and a checkpoint round
+    trip unchanged.
+    """
+
+    cycle_step: jax.Array
+    inner_state: Any
+    anchor: Any
+    outer_states: tuple[Any, ...]
+    reduction_states: tuple[Any, ...]
+    cycle_weights: jax.Array
+
+
+def init_state(
+    params: Any,
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    reduction: optax.GradientTransformation | None,
+    groups: tuple[tuple[int, ...], ...],
+) -> DiLoCoState:
+    """A fresh state: the anchor is a copy of ``params``, nothing seen yet."""
+    leaves = jax.tree.leaves(params)
+    outer_states, reduction_states = [], []
+    for group in groups:
+        fragment = [wide(leaves[i]) for i in group]
+        outer_states.append(outer.init(fragment))
+        reduction_states.append(reduction_init(reduction, fragment))
+    # A copy, not the params themselves: a donated train step would hand
+    # the anchor's buffers to the new params otherwise.
+    anchor = jax.tree.map(jnp.copy, params)
+    return DiLoCoState(
+        cycle_step=jnp.zeros([], jnp.int32),
+        inner_state=inner.init(params),
+        anchor=anchor,
+        outer_states=tuple(outer_states),
+        reduction_states=tuple(reduction_states),
+        cycle_weights=jnp.zeros([len(groups)], jnp.float32),
+    )

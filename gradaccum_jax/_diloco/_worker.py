@@ -1,0 +1,112 @@
+"""One worker's step: the inner step every call, each fragment's sync when due.
+
+Written once for a worker that sees the others through a named axis
+(``pmap``, ``shard_map``, or the stacked path's ``shard_map`` over the
+workers' axis, see `_stacked`); the only collectives are the reduction's,
+inside each fragment's `run_if`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradaccum_jax import _tree, _weights
+from gradaccum_jax._control import run_if
+from gradaccum_jax._diloco import _fragments
+from gradaccum_jax._diloco._state import DiLoCoState
+from gradaccum_jax._diloco._sync import SyncCarry, SyncConfig, sync_fragment
+
+
+class WorkerConfig(NamedTuple):
+    """`diloco`'s configuration, as one worker's step reads it."""
+
+    inner: optax.GradientTransformationExtraArgs
+    outer: optax.GradientTransformation
+    reduction: optax.GradientTransformation | None  # None: a single worker
+    sync_every: int
+    fragments: int
+
+
+def inner_step(
+    grads: Any,
+    state: DiLoCoState,
+    params: Any,
+    weight: Any,
+    extra_args: dict,
+    config: WorkerConfig,
+) -> tuple[Any, Any, jax.Array]:
+    """The inner optimizer's step on this worker's gradients, no communication.
+
+    Returns the updates, the inner state and the call's float32 weight. A
+    call with weight 0 (a worker that saw no tokens) moves nothing and
+    keeps the inner state, applied with a select: its gradients may be NaN,
+    which would stay in Adam's moments for good.
+    """
+    if weight is not None:
+        extra_args = {**extra_args, "weight": weight}
+    updates, inner_state = config.inner.update(
+        grads, state.inner_state, params, **extra_args
+    )
+    if weight is None:
+        return updates, inner_state, jnp.ones([], jnp.float32)
+    weight = _weights.scalar_weight(weight, "diloco")
+    seen = weight != 0
+    updates = jax.tree.map(lambda u: jnp.where(seen, u, _tree.zeros_like(u)), updates)
+    inner_state = jax.tree.map(
+        lambda new, old: jnp.where(seen, new, old), inner_state, state.inner_state
+    )
+    return updates, inner_state, weight
+
+
+def worker_update(
+    grads: Any,
+    state: DiLoCoState,
+    params: Any,
+    weight: Any,
+    extra_args: dict,
+    config: WorkerConfig,
+) -> tuple[Any, DiLoCoState]:
+    """One call of `diloco`'s update on one worker."""
+    updates, inner_state, weight = inner_step(
+        grads, state, params, weight, extra_args, config
+    )
+    update_leaves, treedef = jax.tree.flatten(updates)
+    param_leaves = jax.tree.leaves(params)
+    anchor_leaves = jax.tree.leaves(state.anchor)
+    groups = _fragments.assign(param_leaves, config.fragments)
+    offsets = _fragments.sync_offsets(config.sync_every, config.fragments)
+    cycle_weights = state.cycle_weights + weight
+    outer_states, reduction_states = [], []
+    for index, (group, offset) in enumerate(zip(groups, offsets, strict=True)):
+        carry = SyncCarry(
+            _fragments.take(update_leaves, group),
+            _fragments.take(anchor_leaves, group),
+            state.outer_states[index],
+            state.reduction_states[index],
+            cycle_weights,
+        )
+        sync = functools.partial(
+            sync_fragment,
+            params=_fragments.take(param_leaves, group),
+            config=SyncConfig(config.outer, config.reduction, index),
+        )
+        carry = run_if(state.cycle_step == offset, sync, carry)
+        update_leaves = _fragments.put(update_leaves, group, carry.updates)
+        anchor_leaves = _fragments.put(anchor_leaves, group, carry.anchor)
+        outer_states.append(carry.outer_state)
+        reduction_states.append(carry.reduction_state)
+        cycle_weights = carry.cycle_weights
+    new_state = DiLoCoState(
+        cycle_step=(state.cycle_step + 1) % config.sync_every,
+        inner_state=inner_state,
+        anchor=jax.tree.unflatten(jax.tree.structure(state.anchor), anchor_leaves),
+        outer_states=tuple(outer_states),
+        reduction_states=tuple(reduction_states),
+        cycle_weights=cycle_weights,
+    )
+    return jax.tree.unflatten(treedef, update_leaves), new_state
