@@ -26,67 +26,20 @@ def diloco(
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo: workers train alone and sync every ``sync_every`` steps.
 
-    DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
-    Training of Language Models", arXiv 2311.08105). Each worker applies
-    ``inner`` to its own gradients on every call, with no communication.
-    On every ``sync_every``-th call the *outer gradient* ``anchor -
-    params_w`` (where the worker's inner steps took it since the last sync)
-    is averaged over the workers, ``outer`` steps the anchor with it, and
-    every worker continues from the new anchor: the returned updates take
-    the worker's params to it (``params + updates == new anchor``, up to
-    rounding: ``p + (a - p)`` is not always ``a`` where ``a`` is much
-    smaller than ``p``, and a worker may then start the cycle an ulp off
-    the anchor there, by an ulp of ``p`` (on 4% of the elements after a
-    4-step Adam cycle in the tests). The anchor itself is bitwise the same on
-    every worker). The other
-    calls' updates are the inner step's.
-
-    The workers are the devices of ``axis_name``, on three layouts:
-
-    * inside ``jax.pmap`` or ``jax.shard_map`` with ``axis_name`` bound:
-      each device is a worker and holds its own params and state;
-    * under ``jax.jit`` over a mesh (``jax.set_mesh``) with an axis
-      ``axis_name``: the workers' params, gradients and states are stacked
-      on a leading axis of that axis' size, sharded over it (MaxText's
-      layout). `stack_workers` builds them, `worker_value_and_grad` takes
-      each worker's gradient on its shard of a global batch, and
-      `anchor_params` gives the model to evaluate. ``weight=`` is then
-      None, a scalar, or one per worker (shape ``(n,)``). Params may be
-      sharded over other mesh axes (tensor parallelism over ``model``),
-      not over the workers' axis: each worker holds whole params.
-    * ``axis_name=None``: a single worker (no communication at all).
-
-    Which one is decided when ``update`` is traced. The sync runs inside a
-    loop of zero or one trip (`_control.run_if`), so a call that does not
-    sync has no collective and updates the anchor and outer state in
-    place; the sync is one all-reduce of the params' float32 bytes (plus a
-    scalar).
-
-    **Streaming DiLoCo** (Douillard et al. 2025, arXiv 2501.18512):
-    ``fragments=F`` splits the param leaves into ``F`` groups of about equal
-    bytes (deterministically, from their shapes and dtypes); fragment ``f``
-    syncs on the call completing step ``(f + 1) * sync_every // F`` of each
-    cycle, so each sync moves about ``1 / F`` of the params. Each fragment
-    has its own outer optimizer state and cycle weight.
-
-    **Weights.** ``update(grads, state, params, weight=w)``, ``w`` the
-    number of tokens (or examples) behind this call's gradient: a worker's
-    weights are summed over the cycle, and the outer gradient is the mean
-    over workers weighted by those sums. A worker with zero cycle weight
-    does not pull the anchor (NaN params included) and still continues
-    from the new anchor; a zero total leaves the anchor (and the outer
-    momentum) where it is. A call with ``w == 0`` moves nothing and leaves
-    the inner state as it is (its gradients may be NaN). ``weight=`` and
-    other extra arguments are passed on to ``inner``.
-
-    **Outer reduction.** By default the outer gradients are averaged in
-    float32 by `average_across_devices`. ``outer_reduction`` replaces it
-    with any transformation that averages over the workers' axis and reads
-    ``weight=``, e.g. ``ternary_average_across_devices(axis_name, seed=0)``
-    (ternary codes on the wire, about 1/7 of the bytes on 8 workers, its
-    error-feedback residual kept per worker in the state). Give it the
-    same axis name as ``axis_name``; it works unchanged on all three
-    layouts.
+    DiLoCo (Douillard et al. 2023, arXiv 2311.08105): each worker applies
+    ``inner`` to its own gradients on every call, with no communication; on
+    every ``sync_every``-th call the outer gradient ``anchor - params_w`` is
+    averaged over the workers (weighted by the tokens each saw in the
+    cycle, ``weight=``), ``outer`` steps the anchor, and every worker
+    continues from it (``params + updates`` is the new anchor, up to an ulp
+    of ``params``). A worker with zero cycle weight does not pull the
+    anchor; a zero total leaves it. The sync runs in a loop of zero or one
+    trip: a call that does not sync has no collective. Streaming DiLoCo
+    (arXiv 2501.18512): ``fragments=F`` syncs F groups of leaves (about
+    equal bytes) at staggered steps of the cycle, each about 1/F of the
+    params. Workers: the devices of ``axis_name`` in ``pmap`` / ``shard_map``,
+    or under ``jax.jit`` stacked on a leading axis sharded over the mesh axis
+    ``axis_name`` (`stack_workers`); see the low-communication guide.
 
     Example (one worker, an outer step that lands on the inner params):
 
@@ -96,51 +49,58 @@ def diloco(
     >>> params = {"w": jnp.ones(3)}
     >>> state = opt.init(params)
     >>> for _ in range(4):
-    ...     grads = {"w": jnp.ones(3)}
-    ...     updates, state = opt.update(grads, state, params)
+    ...     updates, state = opt.update({"w": jnp.ones(3)}, state, params)
     ...     params = optax.apply_updates(params, updates)
     >>> [round(float(x), 4) for x in params["w"]]
     [0.6, 0.6, 0.6]
-    >>> int(state.cycle_step)
-    0
-
-    Data-parallel over 8 devices with ``jax.pmap``::
-
-      opt = ga.diloco(optax.adamw(1e-3), sync_every=100, axis_name="data")
-      state = jax.pmap(opt.init)(replicated_params)
-
-      @functools.partial(jax.pmap, axis_name="data")
-      def step(params, state, batch):
-          grads = jax.grad(loss_fn)(params, batch)
-          updates, state = opt.update(grads, state, params)
-          return optax.apply_updates(params, updates), state
 
     Args:
-      inner: the workers' optimizer, e.g. ``optax.adamw(...)``, or a chain
-        with clipping or `accumulate`.
-      sync_every: ``H``, the number of inner steps between syncs (>= 1).
-      outer: the outer optimizer, stepping the anchor with the averaged
-        outer gradient. Default: Nesterov SGD with learning rate 0.7 and
-        momentum 0.9, as in the paper.
-      axis_name: the workers' axis: a ``pmap``/``shard_map`` axis, or an
-        axis of the current mesh for the stacked layout; None for a single
-        worker.
+      inner: the workers' optimizer (e.g. ``optax.adamw``, or a chain with
+        clipping or `accumulate`); it gets ``weight=`` and extra arguments.
+      sync_every: ``H``, inner steps between syncs (>= 1).
+      outer: steps the anchor (default Nesterov SGD, lr 0.7, momentum 0.9).
+      axis_name: the workers' axis (bound, or of the current mesh); None for
+        a single worker.
       outer_reduction: None (weighted float32 mean) or a transformation
-        averaging over ``axis_name`` (see above).
-      fragments: ``F``, the number of fragments synced at staggered steps
-        (1: plain DiLoCo); at most ``sync_every`` and the number of param
-        leaves.
+        averaging over ``axis_name``, e.g. ``ternary_average_across_devices(
+        axis_name, seed=0)`` (its residual kept per worker).
+      fragments: ``F`` (1: plain DiLoCo), at most ``sync_every`` and the
+        number of param leaves.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with a `DiLoCoState`.
-      ``update`` needs ``params``.
-
-    Raises:
-      ValueError: at construction for a bad argument; at ``init`` if
-        ``fragments`` exceeds the number of param leaves; at trace time if
-        ``params`` is None or, under ``jax.jit``, ``axis_name`` is neither
-        bound nor an axis of the current mesh.
+      A transformation with a `DiLoCoState`; ``update`` needs ``params``.
     """
+    config, axis = _config(
+        inner, sync_every, outer, axis_name, outer_reduction, fragments
+    )
+
+    def init_fn(params: Any) -> DiLoCoState:
+        groups = _fragments.assign(jax.tree.leaves(params), config.fragments)
+        return init_state(params, config.inner, config.outer, config.reduction, groups)
+
+    def update_fn(
+        updates: Any,
+        state: DiLoCoState,
+        params: Any = None,
+        *,
+        weight: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, DiLoCoState]:
+        _check_update(updates, state, params)
+        worker_fn = functools.partial(
+            worker_update, extra_args=extra_args, config=config
+        )
+        if axis is None or _is_bound(axis):
+            return worker_fn(updates, state, params, weight)
+        return _stacked.run_stacked(worker_fn, axis, updates, state, params, weight)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _config(
+    inner, sync_every, outer, axis_name, outer_reduction, fragments
+) -> tuple[WorkerConfig, Any]:
+    """``diloco``'s arguments, validated: the workers' config and their axis."""
     inner = optax.with_extra_args_support(_checks.transformation("inner", inner))
     sync_every = _checks.window_size("sync_every", sync_every)
     if outer is None:
@@ -151,37 +111,20 @@ def diloco(
     fragments = _checks.fragments(fragments, sync_every)
     if axis is not None and reduction is None:
         reduction = average_across_devices(axis)
-    config = WorkerConfig(inner, outer, reduction, sync_every, fragments)
+    return WorkerConfig(inner, outer, reduction, sync_every, fragments), axis
 
-    def init_fn(params: Any) -> DiLoCoState:
-        groups = _fragments.assign(jax.tree.leaves(params), fragments)
-        return init_state(params, inner, outer, reduction, groups)
 
-    def update_fn(
-        updates: Any,
-        state: DiLoCoState,
-        params: Any = None,
-        *,
-        weight: Any = None,
-        **extra_args: Any,
-    ) -> tuple[Any, DiLoCoState]:
-        if params is None:
-            raise ValueError(
-                "diloco: `update` needs `params` (the worker's current "
-                "params): the outer gradient is the anchor minus them. Call "
-                "opt.update(grads, state, params)."
-            )
-        _checks.same_structure(updates, params, "diloco: gradients", "the params")
-        _checks.same_structure(params, state.anchor, "diloco: params", "the anchor")
-        _checks.floating_leaves(updates, "diloco: gradient")
-        worker_fn = functools.partial(
-            worker_update, extra_args=extra_args, config=config
+def _check_update(updates: Any, state: DiLoCoState, params: Any) -> None:
+    """Raises unless ``update`` got params, and gradients shaped like them."""
+    if params is None:
+        raise ValueError(
+            "diloco: `update` needs `params` (the worker's current "
+            "params): the outer gradient is the anchor minus them. Call "
+            "opt.update(grads, state, params)."
         )
-        if axis is None or _is_bound(axis):
-            return worker_fn(updates, state, params, weight)
-        return _stacked.run_stacked(worker_fn, axis, updates, state, params, weight)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    _checks.same_structure(updates, params, "diloco: gradients", "the params")
+    _checks.same_structure(params, state.anchor, "diloco: params", "the anchor")
+    _checks.floating_leaves(updates, "diloco: gradient")
 
 
 def _is_bound(axis: Any) -> bool:
