@@ -169,4 +169,4 @@ def _per_device_terms(
     )(params, *batch)
     # In the form the accumulator keeps its terms (unreduced on an
     # Explicit axis, stacked otherwise): decided by the one layout rule.
-    return _partials.terms_layout(frozenset({axis_name})).from_stacked(terms)
+    return _partials.device_terms_layout(frozenset({axis_name})).from_stacked(terms)

@@ -125,7 +125,7 @@ class NoTerms(TermsLayout):
         return "NoTerms()"
 
 
-class _DeviceTerms(TermsLayout):
+class DeviceTerms(TermsLayout):
     """What the two layouts with per-device terms share."""
 
     # The partition spec of terms, and whether a device's own term is a
@@ -142,6 +142,10 @@ class _DeviceTerms(TermsLayout):
             return mapped(grads, weight)
 
         return run
+
+    def from_stacked(self, terms: Any) -> Any:
+        """Terms stacked on a leading device axis, in this layout."""
+        raise NotImplementedError
 
     def device_count(self) -> int:
         """The number of devices over the layout's axes."""
@@ -197,7 +201,7 @@ class _DeviceTerms(TermsLayout):
         return jax.tree.map(place, tree)
 
 
-class Unreduced(_DeviceTerms):
+class Unreduced(DeviceTerms):
     """Terms as unreduced arrays over Explicit mesh ``axes``."""
 
     _stacked = False
@@ -267,7 +271,7 @@ class Unreduced(_DeviceTerms):
         return f"Unreduced({sorted(self.axes)})"
 
 
-class Stacked(_DeviceTerms):
+class Stacked(DeviceTerms):
     """Terms stacked on a leading axis of size ``size``, sharded over ``axis``."""
 
     _stacked = True
@@ -367,6 +371,16 @@ def _gather_partitions(local: jax.Array, spec: P) -> jax.Array:
         if names is not None:
             local = jax.lax.all_gather(local, names, axis=dim, tiled=True)
     return local
+
+
+def device_terms_layout(axes: frozenset[str]) -> DeviceTerms:
+    """`terms_layout` for a window kept on each device: one with terms."""
+    layout = terms_layout(axes)
+    if not isinstance(layout, DeviceTerms):
+        raise ValueError(
+            f"A per-device window needs mesh axes for its terms, got {sorted(axes)}."
+        )
+    return layout
 
 
 def _unstack(tree: Any) -> Any:

@@ -90,7 +90,7 @@ def per_device_accumulator(
 
     def init(params):
         _partials.check_not_sharded_over(params, axes, "Param")
-        layout = _partials.terms_layout(axes)
+        layout = _partials.device_terms_layout(axes)
         local = accumulator.init(params)
         devices = jnp.arange(layout.device_count())
         if accumulator.for_device is None:
@@ -105,7 +105,7 @@ def per_device_accumulator(
         return PerDeviceWindow(layout.stack(windows))
 
     def add(acc, grads, weight):
-        layout = _partials.terms_layout(axes)
+        layout = _partials.device_terms_layout(axes)
         weighted = layout.is_weighted(weight)
         jax.tree_util.tree_map_with_path(
             lambda path, grad: _check_arrival(path, layout, None, grad, weighted),
@@ -125,12 +125,12 @@ def per_device_accumulator(
 
     def total(acc):
         _check_device_count(acc, axes)
-        layout = _partials.terms_layout(axes)
+        layout = _partials.device_terms_layout(axes)
         return layout.over_devices(accumulator.total, "s", "t")(acc.local)
 
     def reset(acc):
         _check_device_count(acc, axes)
-        layout = _partials.terms_layout(axes)
+        layout = _partials.device_terms_layout(axes)
         return PerDeviceWindow(
             layout.over_devices(accumulator.reset, "s", "s")(acc.local)
         )

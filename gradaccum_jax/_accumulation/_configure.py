@@ -48,8 +48,9 @@ def engine_parts(
             "non-finite micro-batch weight 0 there."
         )
     statistics = _statistics(statistics)
-    noise = (_noise_scale.noise_scale_statistic(noise_scale_decay),)
-    noise = noise if track_noise_scale else ()
+    noise: tuple[WindowStatistic, ...] = ()
+    if track_noise_scale:
+        noise = (_noise_scale.noise_scale_statistic(noise_scale_decay),)
     return Parts(
         opt=optax.with_extra_args_support(_checks.transformation("opt", opt)),
         store=_store(accumulator_dtype, window_accumulator, unreduced_axes),

@@ -32,13 +32,14 @@ def with_statistic_states(
     parts: Parts, state: MultiStepsState, states: list[Any]
 ) -> MultiStepsState:
     """``state`` holding ``states`` (as `statistic_states` reads them)."""
-    fields = dict(statistics=[])
+    fields: dict[str, Any] = {}
+    user = []
     for field, stat_state in zip(parts.statistic_fields, states, strict=True):
         if field == "statistics":
-            fields["statistics"].append(stat_state)
+            user.append(stat_state)
         else:
             fields[field] = stat_state
-    fields["statistics"] = tuple(fields["statistics"])
+    fields["statistics"] = tuple(user)
     return state._replace(**fields)
 
 
