@@ -21,7 +21,7 @@ from gradaccum_jax._window import RunningMean, WindowAccumulator, float_accumula
 
 # --- the engine's extension protocols (docs/architecture.md) ---
 from gradaccum_jax._partials import TermsLayout, WindowReduction
-from gradaccum_jax._statistic import MicroBatchPosition, WindowStatistic
+from gradaccum_jax._statistic import WindowPosition, WindowStatistic
 
 # --- gradient noise scale ---
 from gradaccum_jax._noise_scale import (
@@ -98,7 +98,7 @@ __all__ = [
     "float_accumulator",
     "global_norm",
     "local_value_and_grad",
-    "MicroBatchPosition",
+    "WindowPosition",
     "microbatched_value_and_grad",
     "MultiSteps",
     "MultiStepsState",

@@ -217,7 +217,8 @@ def noise_scale_statistic(decay: float) -> WindowStatistic:
             micro_batches=state.micro_batches + count,
         )
 
-    def close(state, window_sum, weight):
+    def close(state, window_sum, weight, position):
+        del position
         return close_window(state, window_sum, weight, decay)
 
     return WindowStatistic(

@@ -101,19 +101,21 @@ class TermsLayout:
         """
         return fn
 
-    def micro_batch(self, fn: Callable[[Any, jax.Array], Any]) -> Callable[..., Any]:
-        """``fn(mean_grads, weight)`` on each device's own micro-batch, as terms.
+    def micro_batch(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn(mean_grads, weight, *replicated)`` on each device's micro-batch.
 
-        Returns ``g(grads, weight)``. Each device's term of a micro-batch's
-        gradient is a small batch of its own; ``fn`` sees it as the mean
-        gradient of that batch and the batch's weight. With a per-device
-        weight ``w_d`` the terms are ``w_d g_d`` (`gradaccum_jax.
-        local_value_and_grad` with ``has_weight=True``), so the mean is the
-        term over ``w_d``; a replicated weight ``w`` is spread evenly over the
-        ``n`` devices, whose terms are then ``g_d / n``. The scaling is one
-        multiply that XLA fuses into ``fn``'s reduction. A device of zero
-        weight gets zero gradients scaled by a safe 1 (its NaNs are ``fn``'s
-        to drop with a select).
+        Returns ``g(grads, weight, *replicated)``, whose result is ``fn``'s
+        as terms. Each device's term of a micro-batch's gradient is a small
+        batch of its own; ``fn`` sees it as the mean gradient of that batch
+        and the batch's weight (and ``replicated``, values that are the same
+        on every device, as they are). With a per-device weight ``w_d`` the
+        terms are ``w_d g_d`` (`gradaccum_jax.local_value_and_grad` with
+        ``has_weight=True``), so the mean is the term over ``w_d``; a
+        replicated weight ``w`` is spread evenly over the ``n`` devices,
+        whose terms are then ``g_d / n``. The scaling is one multiply that
+        XLA fuses into ``fn``'s reduction. A device of zero weight gets its
+        gradients scaled by a safe 1 (its NaNs are ``fn``'s to drop with a
+        select).
         """
         return fn
 
@@ -136,10 +138,10 @@ class DeviceTerms(TermsLayout):
     def micro_batch(self, fn):
         mapped = self.map_terms(_device_micro_batch(fn, self.device_count()))
 
-        def run(grads, weight):
+        def run(grads, weight, *replicated):
             if self.is_weighted(weight):  # per-device weights, with the terms
-                return mapped((grads, weight), None)
-            return mapped(grads, weight)
+                return mapped((grads, weight), (None, replicated))
+            return mapped(grads, (weight, replicated))
 
         return run
 
@@ -391,16 +393,17 @@ def _device_micro_batch(fn, device_count):
     """``fn`` of a device's mean gradient and weight, from its terms (see
     `TermsLayout.micro_batch`); built for `TermsLayout.map_terms`."""
 
-    def local(grads_and_weight, weight):
+    def local(terms, replicated):
+        weight, rest = replicated
         if weight is None:  # per-device weights came in with the terms
-            grads, device_weight = grads_and_weight
+            grads, device_weight = terms
             safe = jnp.where(device_weight != 0, device_weight, 1.0)
             scale = 1.0 / safe
         else:
-            grads, device_weight = grads_and_weight, weight / device_count
+            grads, device_weight = terms, weight / device_count
             scale = jnp.asarray(device_count, jnp.float32)
         mean = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        return fn(mean, device_weight)
+        return fn(mean, device_weight, *rest)
 
     return local
 

@@ -16,15 +16,20 @@ from typing import Any, NamedTuple
 import jax
 
 
-class MicroBatchPosition(NamedTuple):
-    """Where a micro-batch falls in its window (what `WindowStatistic.observe` sees).
+class WindowPosition(NamedTuple):
+    """A point of a window: where a micro-batch falls in it, or where it closed.
+
+    What `WindowStatistic.observe` sees of each micro-batch and
+    `WindowStatistic.close` of the closing window.
 
     Attributes:
-      slot: int32, the index of the window slot it fills: the micro-batches
-        the window held before it.
-      fills_slot: bool, whether it takes a slot (False for a micro-batch
-        skipped with ``count_skipped=False``, which the window never saw).
-      window_size: int32, the slots of the current window.
+      slot: int32, the window's slots filled before this point: the index of
+        the slot a micro-batch fills (``observe``), or every slot the window
+        filled (``close``: fewer than ``window_size`` for a `flush`).
+      fills_slot: bool, whether the micro-batch takes a slot (False for one
+        skipped with ``count_skipped=False``, which the window never saw);
+        False at ``close``.
+      window_size: int32, the slots of the window (its ``k``).
       window_index: int32, the window's index (``gradient_step``).
     """
 
@@ -56,15 +61,15 @@ class WindowStatistic(NamedTuple):
       window_terms: ``window_terms(state) -> terms``: the window terms
         (a pytree of arrays, possibly ``()``).
       with_window_terms: ``with_window_terms(state, terms) -> state``.
-      close: ``close(state, window_sum, window_weight) -> state``: the
-        window closes; ``state`` holds its reduced window terms,
-        ``window_sum`` is the window's weighted gradient sum (reduced) and
-        ``window_weight`` its total weight. The engine then empties the
-        window terms itself.
+      close: ``close(state, window_sum, window_weight, position) -> state``:
+        the window closes; ``state`` holds its reduced window terms,
+        ``window_sum`` is the window's weighted gradient sum (reduced),
+        ``window_weight`` its total weight and ``position`` says how many
+        slots it filled. The engine then empties the window terms itself.
     """
 
     init: Callable[[Any, Any], Any]
-    observe: Callable[[Any, Any, jax.Array, MicroBatchPosition, Any], Any]
+    observe: Callable[[Any, Any, jax.Array, WindowPosition, Any], Any]
     window_terms: Callable[[Any], Any]
     with_window_terms: Callable[[Any, Any], Any]
-    close: Callable[[Any, Any, jax.Array], Any]
+    close: Callable[[Any, Any, jax.Array, WindowPosition], Any]

@@ -70,7 +70,7 @@ def window_norm_statistic() -> ga.WindowStatistic:
             micro_batches=state.micro_batches + layout.micro_batch(count)(grads, weight)
         )
 
-    def close(state, window_sum, weight):
+    def close(state, window_sum, weight, position):
         sq = sum(jnp.sum(jnp.square(s)) for s in jax.tree.leaves(window_sum))
         return state._replace(
             last_sq_norm=sq / weight**2, last_micro_batches=state.micro_batches

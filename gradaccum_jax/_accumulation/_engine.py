@@ -35,7 +35,7 @@ from gradaccum_jax._accumulation._window_ops import (
 )
 from gradaccum_jax._control import run_if
 from gradaccum_jax._partials import TermsLayout
-from gradaccum_jax._statistic import MicroBatchPosition
+from gradaccum_jax._statistic import WindowPosition
 
 
 def add_micro_batch(
@@ -68,7 +68,7 @@ def add_micro_batch(
     acc = accumulator.add(acc, grads, weight)
     fills_slot = jnp.asarray(True) if parts.count_skipped else accept
     window_size = parts.window_size.current(state.window_size, state.gradient_step)
-    position = MicroBatchPosition(
+    position = WindowPosition(
         state.mini_step, fills_slot, window_size, state.gradient_step
     )
     # No dependency on the add: a compiler may fuse both reads of the grads.
@@ -100,6 +100,7 @@ class _Emission(NamedTuple):
     layout: TermsLayout
     slots: _inner_step.UpdateSlots
     inner_update: Callable[..., Any]
+    position: WindowPosition  # where the window closes
 
 
 def emit_if(
@@ -185,7 +186,13 @@ def _plan(parts, state, grads_like, params, extra_args, layout) -> _Emission:
         inner_update, window_sum, weight, state.inner_opt_state
     )
     slots = _inner_step.UpdateSlots(state.acc_grads, updates_shape)
-    return _Emission(parts, layout, slots, inner_update)
+    position = WindowPosition(
+        state.mini_step,
+        jnp.asarray(False),
+        parts.window_size.current(state.window_size, state.gradient_step),
+        state.gradient_step,
+    )
+    return _Emission(parts, layout, slots, inner_update, position)
 
 
 def _close_window(emission: _Emission, carry):
@@ -207,7 +214,9 @@ def _close_window(emission: _Emission, carry):
     )
     window_sum = parts.store.window_sum(slots, updates, reduced)
     closed = [
-        stat.close(stat.with_window_terms(s, sums), window_sum, weight)
+        stat.close(
+            stat.with_window_terms(s, sums), window_sum, weight, emission.position
+        )
         for stat, s, sums in zip(parts.statistics, stats, stat_sums, strict=True)
     ]
     weight = _inner_step.ordered_after(weight, closed)
