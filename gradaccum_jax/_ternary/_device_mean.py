@@ -173,10 +173,8 @@ def ternary_average_across_devices(
 
     Args:
       axis_name: the pmap / shard_map axis (or tuple of axes) to average over.
-      seed: an integer in [0, 2**32 - 1]; the random bits hash the seed, the
-        step, the leaf, the device's axis index and the element (see
-        ``_ternary._random``), so the rounding noise is independent across
-        devices yet the state is identical everywhere.
+      seed: an integer in [0, 2**32 - 1]; every device draws its own random
+        bits from it, yet the state is the same on every device.
       error_feedback: keep each device's clipping error for the next step.
       clip_sigma: TernGrad's clipping in standard deviations of each
         device's share; None disables it. Must be > 0.
