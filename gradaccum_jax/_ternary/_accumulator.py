@@ -252,77 +252,6 @@ def _rescale(code_sum, scale, new_scale, random_bits, fraction_bits):
     return (scaled >> fraction_bits) + (draw < fraction).astype(jnp.int32)
 
 
-# The public docstring, byte for byte as it was inside the function, which
-# it would make longer than 80 lines; set as its ``__doc__`` below it.
-_API_DOC = """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
-
-    `MultiSteps` whose window sum is stored as integer sums of TernGrad codes
-    (Wen et al., NeurIPS 2017) plus one float32 scale per leaf, instead of a
-    float32 sum: about a quarter of the accumulator memory (int8 code sums,
-    or int16 when a window can exceed 127 micro-steps).
-
-    Guarantee: the emitted gradient is an unbiased estimate of the window's
-    (weighted) mean of the clipped micro-batch gradients, exactly unbiased
-    for the mean of the gradients with ``clip_sigma=None``. The window's
-    scale is the running maximum of the micro-steps' scales (each the
-    clipping bound ``clip_sigma * rms(w g)``, which is TernGrad's
-    ``max|clip(w g)|`` whenever an element reaches it, or ``max|w g|``
-    without clipping); when it grows,
-    the code sums so far are stochastically re-rounded to the new scale, so
-    no micro-step is clipped to another's scale (the bias of storing codes
-    with an average scale). Micro-batch weights (``update(..., weight=w)``)
-    are supported: each micro-step ternarizes ``w * g`` against the window's
-    scale, so a heavier micro-batch counts more, not more noisily. The
-    price of the compression is variance: per element and micro-step at
-    most ``s * |w g|`` (TernGrad's), plus ``s**2 / 4`` each time the scale
-    grows. Leaves smaller than ``min_size`` accumulate exactly in float32.
-    Complex leaves, of any size, are rejected (a ternary code has no
-    imaginary part); sharded leaves (FSDP, tensor parallel) give their
-    unsharded result, with the window and updates sharded alike.
-    There is no error feedback: its residual would be a float32 buffer the
-    size of the parameters, the memory saved here.
-
-    Args:
-      opt: the inner optimizer, run once per window.
-      every_k: micro-steps per window: an int in [1, 32767], or a function of
-        the gradient step as in `MultiSteps`.
-      seed: an integer in [0, 2**32 - 1] seeding the stochastic rounding.
-      clip_sigma: TernGrad's clipping of each micro-step, in standard
-        deviations; None disables it. Must be > 0.
-      min_size: leaves with fewer elements accumulate in float32.
-      max_every_k: for a callable ``every_k``, the largest window it returns;
-        it picks the code-sum dtype (int8 up to 127, else int16). Default
-        for callables: 32767 (int16). Code sums saturate, never wrap, if a
-        window is longer.
-      use_grad_mean: as in `MultiSteps`.
-      should_skip_update_fn: as in `MultiSteps`.
-      skip_nonfinite: as in `MultiSteps`.
-      count_skipped: as in `MultiSteps`.
-      track_noise_scale: as in `MultiSteps`. The window's norm is that of
-        the decoded codes, whose variance enters it: ``tr(S)`` comes out low
-        by about the codes' variance times the window weight.
-      noise_scale_decay: as in `MultiSteps`.
-      unreduced_axes: one mesh axis over which the gradients arrive as
-        per-device terms (`local_value_and_grad`, under plain ``jax.jit``
-        on a mesh). Each device then keeps its own ternary window (its own
-        code sums, scales and random stream), stacked on a leading axis of
-        size ``n_devices`` sharded over that axis: 1 byte per parameter per
-        device, a plain array that jit returns and checkpoints take as is
-        (restored on as many devices: windows cannot be split or merged).
-        A micro-step adds each device's term to its window with no
-        collective; the emitting call decodes each device's window and
-        reduces the decoded sums and the window weight in one fused
-        float32 all-reduce, so the emitted gradient is the exact weighted
-        mean over devices and micro-batches up to the (unbiased) ternary
-        rounding. Not with a skip function or ``track_noise_scale``.
-
-    Returns:
-      An `AccumulationTransformation` (``init``, ``update``, ``flush``,
-      ``reset``, ``stats``, ``has_updated``), as `MultiSteps` gives; the
-      state's ``acc_grads`` is a `TernaryAccumulatorState`.
-    """
-
-
 def ternary_accumulate(
     opt: optax.GradientTransformation,
     every_k: int | Callable[[jax.Array], jax.Array],
@@ -339,22 +268,49 @@ def ternary_accumulate(
     noise_scale_decay: float = 0.95,
     unreduced_axes: str | Sequence[str] = (),
 ) -> AccumulationTransformation:
-    # The docstring is `_API_DOC` above.
-    if isinstance(every_k, AdaptiveWindow):
-        limit = every_k.k_max
-    elif callable(every_k):
-        limit = (
-            _CODE_SUM_DTYPES[-1][0]
-            if max_every_k is None
-            else _checks.positive_int("max_every_k", max_every_k)
-        )
-    else:
-        limit = _checks.positive_int("every_k", every_k)
-        if max_every_k is not None:
-            limit = max(limit, _checks.positive_int("max_every_k", max_every_k))
+    """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
+
+    `MultiSteps` whose window sum is stored as integer sums of TernGrad codes
+    (Wen et al., NeurIPS 2017) plus one float32 scale per leaf, instead of a
+    float32 sum: about a quarter of the accumulator memory (int8 code sums,
+    or int16 when a window can exceed 127 micro-steps). The emitted gradient
+    is an unbiased estimate of the window's (weighted) mean of the clipped
+    micro-batch gradients, exactly unbiased for the mean of the gradients
+    with ``clip_sigma=None``. The ternary guide, section "How
+    ternary_accumulate keeps a window", has the scale rule, the variance,
+    weights, sharding and the per-device windows of ``unreduced_axes``.
+
+    Args:
+      opt: the inner optimizer, run once per window.
+      every_k: micro-steps per window: an int in [1, 32767], or a function of
+        the gradient step as in `MultiSteps`.
+      seed: an integer in [0, 2**32 - 1] seeding the stochastic rounding.
+      clip_sigma: TernGrad's clipping of each micro-step, in standard
+        deviations; None disables it. Must be > 0.
+      min_size: leaves with fewer elements accumulate exactly in float32.
+      max_every_k: for a callable ``every_k``, the largest window it returns;
+        it picks the code-sum dtype (int8 up to 127, else int16, the default
+        for callables). Code sums saturate, never wrap, past it.
+      use_grad_mean: as in `MultiSteps`.
+      should_skip_update_fn: as in `MultiSteps`.
+      skip_nonfinite: as in `MultiSteps`.
+      count_skipped: as in `MultiSteps`.
+      track_noise_scale: as in `MultiSteps`; ``tr(S)`` comes out low by about
+        the codes' variance times the window weight.
+      noise_scale_decay: as in `MultiSteps`.
+      unreduced_axes: one mesh axis over which the gradients arrive as
+        per-device terms (`local_value_and_grad`): each device keeps its own
+        ternary window, reduced once per window in float32.
+
+    Returns:
+      An `AccumulationTransformation` (``init``, ``update``, ``flush``,
+      ``reset``, ``stats``, ``has_updated``), as `MultiSteps` gives; the
+      state's ``acc_grads`` is a `TernaryAccumulatorState`.
+    """
+    code_sum_dtype = _code_sum_dtype(_window_limit(every_k, max_every_k))
     seed, clip_sigma, min_size = common_config(seed, clip_sigma, min_size)
     accumulator = _ternary_window_accumulator(
-        seed, clip_sigma, min_size, _code_sum_dtype(limit)
+        seed, clip_sigma, min_size, code_sum_dtype
     )
     return MultiSteps(
         opt,
@@ -370,4 +326,16 @@ def ternary_accumulate(
     ).gradient_transformation()
 
 
-ternary_accumulate.__doc__ = _API_DOC
+def _window_limit(every_k: Any, max_every_k: int | None) -> int:
+    """The most micro-steps a window of ``every_k`` may hold, ``every_k`` and
+    ``max_every_k`` checked: what its code sums must fit."""
+    if isinstance(every_k, AdaptiveWindow):
+        return every_k.k_max
+    if callable(every_k):
+        if max_every_k is None:
+            return _CODE_SUM_DTYPES[-1][0]
+        return _checks.positive_int("max_every_k", max_every_k)
+    limit = _checks.positive_int("every_k", every_k)
+    if max_every_k is not None:
+        limit = max(limit, _checks.positive_int("max_every_k", max_every_k))
+    return limit

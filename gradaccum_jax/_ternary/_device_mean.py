@@ -163,32 +163,18 @@ def ternary_average_across_devices(
     identical on every device. Its expectation is the (weighted) mean of
     the clipped inputs: exactly the mean with ``clip_sigma=None``.
 
-    On the wire: one uint32 word carries several of a device's ternary
-    codes as base-(2n + 1) digits, which the psum cannot carry between (7
-    codes per word with 8 devices, i.e. 1/7 of a float32 psum; see
-    `packed_psum`), plus one float32 pmax for all compressed leaves' scales
-    and one float32 psum for the leaves smaller than ``min_size`` (averaged
-    exactly) and the weight: three all-reduces per step in all. A device
-    whose weight is 0 contributes nothing, even NaN gradients. Complex
-    leaves, of any size, are rejected.
-
-    With ``error_feedback`` (Karimireddy et al., ICML 2019) each device keeps
-    its own residual in float32 for the next step: its clipping error
-    ``x_d - clip(x_d)``, the bias of the compressor. The rounding noise is
-    unbiased and not fed back (doing so costs accuracy; see the module
-    docstring), so ``E[sum of results] + sum_d residual_d`` equals the sum
-    over steps of the (weighted) means of the updates, and with
-    ``clip_sigma=None`` no residual is kept at all. A non-finite update on
-    any device makes that step's
-    result NaN on every device and leaves the residuals unchanged. A zero
-    total weight gives zeros and leaves the residuals unchanged.
+    The codes travel as digits of uint32 words (7 per word with 8 devices,
+    1/7 of a float32 psum); leaves smaller than ``min_size`` are averaged
+    exactly in float32. With ``error_feedback`` (Karimireddy et al., ICML
+    2019) each device keeps its clipping error for the next step. The
+    ternary guide, section "The device mean on the wire", has the wire
+    format, the residual's rules, and what a zero weight or a non-finite
+    update does.
 
     Args:
       axis_name: the pmap / shard_map axis (or tuple of axes) to average over.
-      seed: an integer in [0, 2**32 - 1]; the random bits hash the seed, the
-        step, the leaf, the device's axis index and the element (see
-        ``_ternary._random``), so the rounding noise is independent across
-        devices yet the state is identical everywhere.
+      seed: an integer in [0, 2**32 - 1]; every device draws its own random
+        bits from it, yet the state is the same on every device.
       error_feedback: keep each device's clipping error for the next step.
       clip_sigma: TernGrad's clipping in standard deviations of each
         device's share; None disables it. Must be > 0.

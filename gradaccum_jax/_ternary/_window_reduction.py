@@ -30,30 +30,15 @@ def ternary_window_reduction(
     with TernGrad's unbiased stochastic rounding (Wen et al., NeurIPS 2017)
     against one scale per leaf shared by a pmax, the codes are summed by one
     packed integer all-reduce, and the result times ``n`` is the window's
-    sum, bitwise identical on every device. This is
-    `ternary_average_across_devices` run in a ``jax.shard_map`` over
-    ``unreduced_axes`` on the per-device terms; its wire format and costs
-    are that function's: with 8 devices 7 codes per uint32 word (1/7 of
-    the float32 bytes) plus one float32 pmax of the scales and one float32
-    psum of the window weight and the leaves smaller than ``min_size``
-    (summed exactly).
+    sum, bitwise identical on every device: `ternary_average_across_devices`
+    run in a ``jax.shard_map`` over ``unreduced_axes`` on the per-device
+    terms, with its wire format (1/7 of the float32 bytes with 8 devices).
 
     With ``clip_sigma=None`` the emitted sum is an unbiased estimate of the
-    exact window sum. TernGrad's clipping (``clip_sigma``, in standard
-    deviations of each device's share) trades a small bias for less
-    rounding noise; this reduction keeps no error-feedback residual (it
-    would be a parameter-sized float32 buffer per device, itself a term
-    that could not leave the devices), so the clipping error is lost.
-
-    The random bits hash the seed, a counter of the windows reduced, the
-    leaf and the device (see ``_ternary._random``): the counter
-    ``uint32[2] = (seed, windows)`` lives in
-    ``MultiStepsState.reduction_state``, the same on every device, so a
-    run restored from a checkpoint taken between windows draws the same bits
-    and emits bitwise the same updates as an uninterrupted one. A window
-    checkpointed mid-way (``reduce_window``) comes back whole on one device
-    and zero on the others: its sum is exact, but its codes are drawn from
-    other per-device terms, so its (still unbiased) result differs.
+    exact window sum; TernGrad's clipping trades a small bias for less
+    rounding noise, and no error-feedback residual is kept, so the clipping
+    error is lost. The ternary guide, section "Ternary window reduction", has
+    why, and how the random bits make a restored run emit the same updates.
 
     Args:
       seed: an integer in [0, 2**32 - 1].
