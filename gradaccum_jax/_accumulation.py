@@ -34,7 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _checks, _noise_scale, _partials, _tree, _weights
+from gradaccum_jax import (
+    _checks,
+    _noise_scale,
+    _partials,
+    _tree,
+    _weights,
+    _window_size,
+)
 from gradaccum_jax._control import run_if
 from gradaccum_jax._tree import any_mapped_axis_bound, varying_axes
 from gradaccum_jax._window import (
@@ -65,7 +72,7 @@ class ShouldSkipUpdateFunction(optax.ShouldSkipUpdateFunction, Protocol):
 skip_not_finite = optax.skip_not_finite
 skip_large_updates = optax.skip_large_updates
 
-Schedule = int | Callable[[jax.Array], jax.Array] | _noise_scale.AdaptiveWindow
+Schedule = int | Callable[[jax.Array], jax.Array] | _window_size.AdaptiveWindow
 
 
 class MultiStepsState(NamedTuple):
@@ -251,6 +258,7 @@ class MultiSteps:
         window_reduction: _partials.WindowReduction | None = None,
         track_noise_scale: bool = False,
         noise_scale_decay: float = 0.95,
+        noise_scale_estimator: str = "sampled",
     ):
         """Builds the wrapper.
 
@@ -314,7 +322,7 @@ class MultiSteps:
         """
         self._adaptive = None
         self._every_k_schedule: Callable[[Any], Any]
-        if isinstance(every_k_schedule, _noise_scale.AdaptiveWindow):
+        if isinstance(every_k_schedule, _window_size.AdaptiveWindow):
             self._adaptive = every_k_schedule
             track_noise_scale = True
             self._every_k_schedule = lambda step: every_k_schedule.k_min
@@ -333,6 +341,9 @@ class MultiSteps:
             )
         self._track_noise = _checks.boolean("track_noise_scale", track_noise_scale)
         self._noise_decay = _checks.decay_rate("noise_scale_decay", noise_scale_decay)
+        self._noise_estimator = _checks.one_of(
+            "noise_scale_estimator", noise_scale_estimator, _noise_scale.ESTIMATORS
+        )
         self._opt = optax.with_extra_args_support(_checks.transformation("opt", opt))
         self._use_grad_mean = _checks.boolean("use_grad_mean", use_grad_mean)
         self._should_skip_update_fn = _skip_function(
@@ -471,16 +482,21 @@ class MultiSteps:
             state.acc_grads,
         )
         acc = self._accumulator.add(acc, updates, weight)
-        if self._track_noise and self._unreduced_axes:
-            # Each device adds its own terms of A and k: no collective.
+        fills_window = accept if not self._count_skipped else jnp.asarray(True)
+        if self._track_noise:  # no dependency on the add: siblings may fuse
             state = state._replace(
-                noise=_noise_scale.add_terms(
-                    state.noise, updates, weight, self._unreduced_axes
+                noise=_noise_scale.observe(
+                    state.noise,
+                    updates,
+                    weight,
+                    slot=state.mini_step,
+                    fills_slot=fills_window,
+                    window_size=self._window_size(state),
+                    gradient_step=state.gradient_step,
+                    axes=self._unreduced_axes,
+                    estimator=self._noise_estimator,
                 )
             )
-        elif self._track_noise:  # no dependency on the add: siblings may fuse
-            state = state._replace(noise=_noise_scale.add(state.noise, updates, weight))
-        fills_window = accept if not self._count_skipped else jnp.asarray(True)
         mini_step = state.mini_step + fills_window.astype(jnp.int32)
         # `>=` rather than `==`: a schedule may shrink k mid-window.
         emit = jnp.logical_and(fills_window, mini_step >= self._window_size(state))
@@ -765,6 +781,9 @@ class MultiSteps:
                     if self._per_device
                     else self._accumulator.total(slots.window(updates, rest)),
                     self._noise_decay,
+                    filled_slots=state.mini_step,
+                    window_size=self._window_size(state),
+                    estimator=self._noise_estimator,
                 )
                 # The next window's A and k: zero terms, in the carry's form.
                 noise = _with_window_terms(
@@ -1135,6 +1154,7 @@ def accumulate(
     unreduced_axes: str | Sequence[str] = (),
     track_noise_scale: bool = False,
     noise_scale_decay: float = 0.95,
+    noise_scale_estimator: str = "sampled",
     average: bool | None = None,
 ) -> AccumulationTransformation:
     """Accumulation as a transformation, for use inside `optax.chain`.
@@ -1160,6 +1180,7 @@ def accumulate(
       track_noise_scale: as in `MultiSteps`: estimate the gradient noise
         scale (`stats`).
       noise_scale_decay: as in `MultiSteps`.
+      noise_scale_estimator: as in `MultiSteps`: ``"sampled"`` or ``"all"``.
       average: deprecated spelling of ``use_grad_mean``.
 
     Returns:
@@ -1173,7 +1194,7 @@ def accumulate(
             stacklevel=2,
         )
         use_grad_mean = _checks.boolean("average", average)
-    if not callable(every_k) and not isinstance(every_k, _noise_scale.AdaptiveWindow):
+    if not callable(every_k) and not isinstance(every_k, _window_size.AdaptiveWindow):
         _checks.window_size("every_k", every_k)
     return MultiSteps(
         opt,
@@ -1186,4 +1207,5 @@ def accumulate(
         unreduced_axes=unreduced_axes,
         track_noise_scale=track_noise_scale,
         noise_scale_decay=noise_scale_decay,
+        noise_scale_estimator=noise_scale_estimator,
     ).gradient_transformation()
