@@ -68,7 +68,9 @@ def test_one_window_matches_the_weighted_formula(make, estimator):
     grad_sq_norm, trace = _formula(grads, weights, slot)
     np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-5)
     np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-5)
-    np.testing.assert_allclose(stats.noise_scale, trace / grad_sq_norm, rtol=1e-5)
+    # One window's |G|^2 estimate may be <= 0 (here the sampled one): B is +inf.
+    ratio = trace / grad_sq_norm if grad_sq_norm > 0 else np.inf
+    np.testing.assert_allclose(stats.noise_scale, ratio, rtol=1e-5)
     assert {v.dtype for v in stats[5:]} == {jnp.dtype(jnp.float32)}
 
 
@@ -421,8 +423,9 @@ def test_sampled_records_m_w_j_g_j_squared_for_the_drawn_slot_only():
                 )
         stats = opt.stats(state)
         grad_sq_norm, trace = _formula(grads, weights, slot)
-        np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-5)
-        np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-5)
+        # float32 sums, and both estimates are differences that may cancel.
+        np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-4)
+        np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-4)
     # Every slot is drawn, none much more often than the others.
     assert sorted(set(slots)) == list(range(m)), slots
     assert max(np.bincount(slots)) <= 12, slots
