@@ -307,8 +307,9 @@ class MultiSteps:
             `reduce_window` (for checkpoints) always sums exactly.
           track_noise_scale: estimate the gradient noise scale from the
             micro-batch and window gradient norms (McCandlish et al. 2018,
-            see `stats`): one squared norm of the gradients per micro-step,
-            one of the window per emission. Under pmap / shard_map with an
+            see `stats`): one squared norm of the gradients per window
+            (``noise_scale_estimator``) or per micro-step, one of the window
+            per emission. Under pmap / shard_map with an
             averaging inner chain the window is the device's own, so the
             estimate is the device-local one (batch sizes of one device). With
             ``unreduced_axes`` each device's gradient of each micro-batch
@@ -319,6 +320,15 @@ class MultiSteps:
           noise_scale_decay: decay in [0, 1) of the moving averages of the
             ``|G|^2`` and ``tr(S)`` estimates (bias-corrected; 0 keeps the
             last window's).
+          noise_scale_estimator: how ``A = sum_i w_i |g_i|^2`` is measured.
+            ``"sampled"`` (default): the squared norm of one micro-batch per
+            window, drawn uniformly among its ``m`` slots from the window's
+            index (no PRNG state; the same on every device and after a
+            checkpoint), times ``m``: unbiased, one read of the gradients
+            for the norm per window instead of per micro-step, but noisier
+            (one window's ``tr(S)`` spreads about 4x as wide at m = 8); a
+            window closed before its ``m`` slots are filled (`flush`) gives
+            no estimate. ``"all"``: every micro-batch's squared norm.
         """
         self._adaptive = None
         self._every_k_schedule: Callable[[Any], Any]
@@ -570,9 +580,13 @@ class MultiSteps:
         gradient their mean; micro-batches without weights). A window of
         one micro-batch gives no estimate (one batch size measures
         nothing): they stay NaN until a window of two or more micro-batches
-        of nonzero weight closes. With ``ternary_accumulate`` the window's
-        norm includes the compression's noise, so ``tr(S)`` is
-        underestimated by the codes' variance. Not tracked: NaN.
+        of nonzero weight closes (with ``noise_scale_estimator="sampled"``,
+        the default, a full one: a flushed window gives none, and ``A`` is
+        the drawn micro-batch's ``m w_j |g_j|^2``, an unbiased estimate of
+        the sum at a fraction of its cost and a larger variance). With
+        ``ternary_accumulate`` the window's norm includes the compression's
+        noise, so ``tr(S)`` is underestimated by the codes' variance. Not
+        tracked: NaN.
 
         Works on a state of per-device terms (``unreduced_axes``) inside or
         outside ``jax.set_mesh``: the window weight is summed on the mesh

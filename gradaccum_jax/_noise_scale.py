@@ -23,15 +23,34 @@ With equal weights b these are the paper's formulas with
 unit of ``B_simple`` is micro-batches, not examples. A window of one
 micro-batch measures one batch size only: it gives no estimate.
 
-The accumulator keeps ``A`` and ``k`` (added in the micro-step's pass over
-the gradients) and, at each emission, folds the window's estimate into an
-exponential moving average of ``|G|^2`` and of ``tr(S)`` separately, with
-bias correction; ``B_simple`` is the ratio of the two averages, as the
-paper advises (a ratio of noisy estimates is biased, its average too).
+Two estimators of ``A`` (``noise_scale_estimator``), for a window of ``m``
+slots (micro-batches; a zero-weight one in a slot contributes 0)::
+
+    "all":      A = sum_i w_i |g_i|^2              (every micro-batch's norm)
+    "sampled":  A = m w_j |g_j|^2, j ~ U{0..m-1}    (one micro-batch's norm)
+
+    E_j[m w_j |g_j|^2] = sum_i w_i |g_i|^2
+
+so the sampled ``A`` is unbiased for ``A`` given the gradients, and the
+estimates of ``tr(S)`` and ``|G|^2``, linear in ``A``, stay unbiased. It
+reads the gradients for a norm on one micro-step per window instead of
+every one (XLA:CPU does not fuse the norm into the accumulation pass: a
+second read of the gradients each time), and pays in variance: one
+micro-batch stands for m. The slot is a fixed hash of the window's index
+(`sampled_slot`): no PRNG state, the same draw on every device and after a
+checkpoint. A sampled window that closes with fewer than ``m`` filled
+slots (`flush`) gives no estimate: its ``A`` is not an m-slot sample.
+
+The accumulator keeps ``A`` and ``k`` (`observe`, once per micro-step)
+and, at each emission (`close_window`), folds the window's estimate into
+an exponential moving average of ``|G|^2`` and of ``tr(S)`` separately,
+with bias correction; ``B_simple`` is the ratio of the two averages, as
+the paper advises (a ratio of noisy estimates is biased, its average too).
 
 Under data parallelism with ``unreduced_axes`` each device's gradient of a
 micro-batch is a small batch of its own: every device keeps its own terms
-of ``A`` and ``k`` (`add_terms`), summed with the window at the emission.
+of ``A`` and ``k`` (`add_terms`; sampled: the drawn micro-batch's terms on
+every device), summed with the window at the emission.
 """
 
 from __future__ import annotations
@@ -50,8 +69,9 @@ class NoiseScaleState(NamedTuple):
     """What the accumulator keeps for the noise scale (`MultiStepsState.noise`).
 
     Attributes:
-      sq_norm_sum: ``A = sum_i w_i |g_i|^2`` over the current window, float32
-        (per-device terms with ``unreduced_axes``, like the window).
+      sq_norm_sum: ``A = sum_i w_i |g_i|^2`` over the current window
+        (``"sampled"``: ``m w_j |g_j|^2`` once slot j is filled, 0 before),
+        float32 (per-device terms with ``unreduced_axes``, like the window).
       micro_batches: ``k``, micro-batches of nonzero weight in the current window,
         float32 (a count summed over devices like ``A``).
       grad_sq_norm: moving average of the windows' ``|G|^2`` estimates
