@@ -332,6 +332,9 @@ def build_method(name: str, cfg: Config, loss: Callable[..., Any]) -> Method:
         # final rate (a tenth of the peak).
         tokens_per_micro_batch = cfg.batch // cfg.k * cfg.seq_len
         every_k = ga.adaptive_every_k(tokens_per_micro_batch, k_min=2, k_max=cfg.k_max)
+        # The estimate steers the window: every micro-batch's norm (the
+        # sampled default is noisier, one micro-batch in k).
+        extra["noise_scale_estimator"] = "all"
     elif name != "multisteps":
         raise ValueError(f"`name` must be one of {METHODS}, got {name!r}.")
     opt = ga.MultiSteps(inner, every_k, unreduced_axes="data", **extra)

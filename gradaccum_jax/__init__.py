@@ -24,12 +24,8 @@ from gradaccum_jax._partials import TermsLayout, WindowReduction
 from gradaccum_jax._statistic import WindowPosition, WindowStatistic
 
 # --- gradient noise scale ---
-from gradaccum_jax._noise_scale import (
-    AdaptiveWindow,
-    NoiseScaleEstimate,
-    NoiseScaleState,
-    adaptive_every_k,
-)
+from gradaccum_jax._noise_scale import NoiseScaleEstimate, NoiseScaleState
+from gradaccum_jax._window_size import AdaptiveWindow, adaptive_every_k
 
 # --- clipping ---
 from gradaccum_jax._clipping import (

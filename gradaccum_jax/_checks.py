@@ -103,6 +103,14 @@ def boolean(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def one_of(name: str, value: Any, accepted: tuple[str, ...]) -> str:
+    """Returns ``value``, or raises if it is not one of the ``accepted`` strings."""
+    if not isinstance(value, str) or value not in accepted:
+        names = ", ".join(repr(option) for option in accepted)
+        raise ValueError(f"`{name}` must be one of {names}, got {value!r}.")
+    return value
+
+
 # jax.random.key keeps 32 bits of a seed unless jax_enable_x64 is set: 2**32
 # would silently give seed 0's key, and 2**64 overflows.
 _MAX_SEED = 2**32 - 1

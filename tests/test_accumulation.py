@@ -736,7 +736,13 @@ def test_complex_gradients_accumulate_exactly(make, accumulator_dtype, window_dt
 
 
 def test_complex_gradients_noise_scale_uses_the_squared_modulus():
-    tx = MultiSteps(optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=0.0)
+    tx = MultiSteps(
+        optax.sgd(0.0),
+        2,
+        track_noise_scale=True,
+        noise_scale_decay=0.0,
+        noise_scale_estimator="all",
+    )
     params = {"w": jnp.zeros(2, jnp.complex64)}
     # As real vectors [re, im]: g1 = (1, 2, 0, 3), g2 = (3, 0, -2, 1).
     grads = [

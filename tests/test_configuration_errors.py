@@ -80,6 +80,7 @@ TRANSFORMATION = r"GradientTransformation"
 ACCUMULATOR = r"WindowAccumulator"
 MESH_AXES = r"mesh-axis name or a sequence of distinct"
 DECAY = r"number in \[0, 1\)"
+ESTIMATOR = r"one of 'sampled', 'all'"
 
 NAN, INF = math.nan, math.inf
 
@@ -233,6 +234,13 @@ TABLE: list[Row] = [
     *_rows_for(ACCUMULATORS, "track_noise_scale", ("True", None, 1), BOOL),
     *_rows_for(
         ACCUMULATORS, "noise_scale_decay", (1.0, -0.1, NAN, INF, "0.9", None), DECAY
+    ),
+    # One micro-batch's norm per window, or every one's; nothing else.
+    *_rows_for(
+        ACCUMULATORS,
+        "noise_scale_estimator",
+        ("mean", "", "Sampled", "ALL", None, 1, True, ("sampled",)),
+        ESTIMATOR,
     ),
     Row("microbatched_value_and_grad", "return_noise_scale", ("True", None), BOOL),
     Row(

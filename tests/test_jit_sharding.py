@@ -331,12 +331,15 @@ NOISE_DECAY = 0.5
 
 
 def _tracked(make="MultiSteps"):
+    # Every micro-batch's norm: comparable with one device fed each
+    # device's share apart (whose window samples other slots).
     return getattr(ga, make)(
         optax.sgd(1.0),
         K,
         unreduced_axes="data",
         track_noise_scale=True,
         noise_scale_decay=NOISE_DECAY,
+        noise_scale_estimator="all",
     )
 
 
@@ -351,6 +354,7 @@ def _one_device_noise_stats(params, windows, weighted=True):
         K * N_DEVICES,
         track_noise_scale=True,
         noise_scale_decay=NOISE_DECAY,
+        noise_scale_estimator="all",
     )
     grad_fn = jax.value_and_grad(_masked_loss, has_aux=True)
 
@@ -784,6 +788,7 @@ def test_per_device_windows_track_the_noise_scale(any_mesh):
         unreduced_axes="data",
         track_noise_scale=True,
         noise_scale_decay=NOISE_DECAY,
+        noise_scale_estimator="all",
     )
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)

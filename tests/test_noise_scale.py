@@ -3,7 +3,8 @@
 Exact algebra on hand-made windows; unbiasedness against closed forms on
 linear regression with Gaussian noise (many seeds, vectorized); agreement
 with a brute-force per-example covariance on scikit-learn's digits; the
-adaptive window; the memory cost of tracking.
+sampled estimator (one micro-batch's norm per window); the adaptive window;
+the memory cost of tracking.
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
+from gradaccum_jax._noise_scale import sampled_slot
 from helpers import train_step_temp_bytes
+
+# Every micro-batch's norm: the exact algebra of the estimator.
+ALL = {"noise_scale_estimator": "all"}
 
 # --- exact algebra -------------------------------------------------------------
 
@@ -28,27 +35,42 @@ def _window(opt, grads, weights):
     return state
 
 
-def _formula(grads, weights):
-    """The weighted estimator in float64 numpy."""
+def _formula(grads, weights, slot=None):
+    """The weighted estimator in float64 numpy; sampled if ``slot`` is given
+    (``A = m w_j |g_j|^2`` for the window's ``m`` micro-batches)."""
     g, w = np.asarray(grads, np.float64), np.asarray(weights, np.float64)
     total, k = w.sum(), np.count_nonzero(w)
     a = np.sum(w * np.sum(g**2, axis=1))
+    if slot is not None:
+        a = len(w) * w[slot] * np.sum(g[slot] ** 2)
     c = np.sum((w @ g / total) ** 2)
     trace = (a - total * c) / (k - 1)
     return c - trace / total, trace
 
 
-@pytest.mark.parametrize("make", ["MultiSteps", "accumulate"])
-def test_one_window_matches_the_weighted_formula(make):
+@pytest.mark.parametrize("estimator", ["all", "sampled"])
+@pytest.mark.parametrize("make", ["MultiSteps", "accumulate", "ternary_accumulate"])
+def test_one_window_matches_the_weighted_formula(make, estimator):
     grads = [[1.0, 2.0, -1.0], [3.0, 0.5, 0.0], [-2.0, 1.0, 4.0], [0.0, 0.0, 1.0]]
     weights = [3.0, 1.0, 5.0, 2.0]
     build = getattr(ga, make)
-    opt = build(optax.sgd(0.0), 4, track_noise_scale=True, noise_scale_decay=0.0)
+    opt = build(
+        optax.sgd(0.0),
+        4,
+        track_noise_scale=True,
+        noise_scale_decay=0.0,
+        noise_scale_estimator=estimator,
+    )
     stats = opt.stats(_window(opt, grads, weights))
-    grad_sq_norm, trace = _formula(grads, weights)
+    # The first window's slot; the ternary window (leaves below `min_size`
+    # are exact) has the same norms.
+    slot = int(sampled_slot(0, 4)) if estimator == "sampled" else None
+    grad_sq_norm, trace = _formula(grads, weights, slot)
     np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-5)
     np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-5)
-    np.testing.assert_allclose(stats.noise_scale, trace / grad_sq_norm, rtol=1e-5)
+    # One window's |G|^2 estimate may be <= 0 (here the sampled one): B is +inf.
+    ratio = trace / grad_sq_norm if grad_sq_norm > 0 else np.inf
+    np.testing.assert_allclose(stats.noise_scale, ratio, rtol=1e-5)
     assert {v.dtype for v in stats[5:]} == {jnp.dtype(jnp.float32)}
 
 
@@ -57,7 +79,7 @@ def test_equal_weights_give_the_papers_two_batch_formulas():
     grads = [[1.0, 2.0], [3.0, -1.0], [0.0, 1.5]]
     b = 4.0
     opt = ga.MultiSteps(
-        optax.sgd(0.0), 3, track_noise_scale=True, noise_scale_decay=0.0
+        optax.sgd(0.0), 3, track_noise_scale=True, noise_scale_decay=0.0, **ALL
     )
     stats = opt.stats(_window(opt, grads, [b] * 3))
     small = np.mean(np.sum(np.square(grads), axis=1))
@@ -72,7 +94,7 @@ def test_equal_weights_give_the_papers_two_batch_formulas():
 def test_moving_average_is_bias_corrected_and_b_is_a_ratio_of_averages():
     decay = 0.5
     opt = ga.MultiSteps(
-        optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=decay
+        optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=decay, **ALL
     )
     first, second = [[3.0, 0.0], [3.0, 4.0]], [[1.0, 1.0], [-1.0, 2.0]]
     state = _window(opt, first + second, [1.0] * 4)
@@ -109,7 +131,7 @@ def test_nan_where_undefined_never_a_division_by_zero():
 
 def test_zero_weight_micro_batches_are_not_counted_even_with_nans():
     opt = ga.MultiSteps(
-        optax.sgd(0.0), 4, track_noise_scale=True, noise_scale_decay=0.0
+        optax.sgd(0.0), 4, track_noise_scale=True, noise_scale_decay=0.0, **ALL
     )
     grads = [[1.0, 2.0], [np.nan, np.inf], [3.0, -1.0], [0.0, 1.0]]
     stats = opt.stats(_window(opt, grads, [2.0, 0.0, 1.0, 3.0]))
@@ -120,7 +142,7 @@ def test_zero_weight_micro_batches_are_not_counted_even_with_nans():
 
 def test_reset_drops_the_partial_windows_terms_and_keeps_the_estimate():
     opt = ga.MultiSteps(
-        optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=0.0
+        optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=0.0, **ALL
     )
     state = _window(opt, [[3.0, 0.0], [3.0, 4.0], [100.0, 0.0]], [1.0] * 3)
     assert float(state.noise.sq_norm_sum) == 10000.0
@@ -170,15 +192,19 @@ def _regression_grad(w, x, y, mask):
     return residual @ x / jnp.maximum(mask.sum(), 1.0)
 
 
-def _regression_estimates(sizes, seeds, use_microbatching=False):
-    """One window of micro-batches of ``sizes`` examples per seed (vmapped)."""
+def _regression_estimates(sizes, seeds, use_microbatching=False, estimator="all"):
+    """One window of micro-batches of ``sizes`` examples per seed (vmapped).
+
+    Seed ``i``'s window is the ``i``-th of a run (its ``gradient_step``), so
+    a sampled estimator draws its slot anew for each.
+    """
     sizes = np.asarray(sizes)
     k, width = len(sizes), int(sizes.max())
     mask = jnp.asarray(np.arange(width)[None, :] < sizes[:, None], jnp.float32)
     w_star = jnp.ones(DIM)
     w = w_star + DELTA
 
-    def one_seed(key):
+    def one_seed(key, window):
         kx, ke = jax.random.split(key)
         x = jax.random.normal(kx, (k, width, DIM))
         y = x @ w_star + SIGMA * jax.random.normal(ke, (k, width))
@@ -202,8 +228,13 @@ def _regression_estimates(sizes, seeds, use_microbatching=False):
             _, _, estimate = fn(w, batch)
             return estimate.grad_sq_norm, estimate.noise_trace
         opt = ga.MultiSteps(
-            optax.sgd(0.0), k, track_noise_scale=True, noise_scale_decay=0.0
+            optax.sgd(0.0),
+            k,
+            track_noise_scale=True,
+            noise_scale_decay=0.0,
+            noise_scale_estimator=estimator,
         )
+        state = opt.init(w)._replace(gradient_step=window)
 
         def micro_step(state, micro_batch):
             xi, yi, mi = micro_batch
@@ -211,25 +242,38 @@ def _regression_estimates(sizes, seeds, use_microbatching=False):
             _, state = opt.update(g, state, w, weight=mi.sum())
             return state, None
 
-        state, _ = jax.lax.scan(micro_step, opt.init(w), (x, y, mask))
+        state, _ = jax.lax.scan(micro_step, state, (x, y, mask))
         stats = opt.stats(state)
         return stats.grad_sq_norm, stats.noise_trace
 
     keys = jax.random.split(jax.random.key(0), seeds)
-    return jax.jit(jax.vmap(one_seed))(keys)
+    return jax.jit(jax.vmap(one_seed))(keys, jnp.arange(seeds, dtype=jnp.int32))
 
 
 @pytest.mark.parametrize(
-    ("sizes", "microbatching"),
+    ("sizes", "microbatching", "estimator"),
     [
-        pytest.param([4] * 8, False, id="equal"),
-        pytest.param([1, 2, 3, 4, 5, 6, 7, 12], False, id="weighted"),
-        pytest.param([1, 2, 3, 4, 5, 6, 7, 12], True, id="microbatched"),
+        pytest.param([4] * 8, False, "all", id="equal"),
+        pytest.param([1, 2, 3, 4, 5, 6, 7, 12], False, "all", id="weighted"),
+        pytest.param([1, 2, 3, 4, 5, 6, 7, 12], True, "all", id="microbatched"),
+        pytest.param([4] * 8, False, "sampled", id="equal-sampled"),
+        # Unbiased over the draws only: a window's m w_j is not W.
+        pytest.param(
+            [1, 2, 3, 4, 5, 6, 7, 12], False, "sampled", id="weighted-sampled"
+        ),
     ],
 )
-def test_unbiased_against_closed_forms_on_linear_regression(sizes, microbatching):
-    seeds = 4000
-    g2, trace = map(np.asarray, _regression_estimates(sizes, seeds, microbatching))
+def test_unbiased_against_closed_forms_on_linear_regression(
+    sizes, microbatching, estimator
+):
+    """Each seed is a window of its own, so the sampled estimator's mean is
+    over its draws as well as over the data. Its price is variance: one
+    window's tr(S) spreads about 4x as wide as with every norm
+    (`benchmarks/bench_noise_scale.py`), hence twice the seeds."""
+    seeds = 4000 if estimator == "all" else 8000
+    g2, trace = map(
+        np.asarray, _regression_estimates(sizes, seeds, microbatching, estimator)
+    )
     for values, truth in ((g2, TRUE_G2), (trace, TRUE_TRACE)):
         mean, error = values.mean(), values.std() / np.sqrt(seeds)
         assert abs(mean - truth) < 4 * error, (mean, truth, error)
@@ -318,8 +362,9 @@ def test_microbatched_estimate_equals_the_accumulators_on_the_same_batches():
         lambda p, mb: loss(p, mb["x"], mb["y"]), k
     )(params, batch)
     np.testing.assert_allclose(value, plain_value, rtol=1e-6)
+    # The step's estimate measures every micro-batch: the "all" estimator.
     opt = ga.MultiSteps(
-        optax.sgd(0.0), k, track_noise_scale=True, noise_scale_decay=0.0
+        optax.sgd(0.0), k, track_noise_scale=True, noise_scale_decay=0.0, **ALL
     )
     state = opt.init(params)
     for i in range(k):  # the strided micro-batches
@@ -338,6 +383,323 @@ def test_microbatched_noise_scale_needs_no_data_axis():
         ga.microbatched_value_and_grad(
             lambda p, b: p, 2, data_axis="data", return_noise_scale=True
         )
+
+
+# --- the sampled estimator: one micro-batch's norm per window --------------------
+
+
+def _sampled(m, **kwargs):
+    return ga.MultiSteps(
+        optax.sgd(0.0), m, track_noise_scale=True, noise_scale_decay=0.0, **kwargs
+    )
+
+
+def test_sampled_records_m_w_j_g_j_squared_for_the_drawn_slot_only():
+    """A holds ``m w_j |g_j|^2`` from the micro-step that fills slot j (0
+    before it), k counts every micro-batch of nonzero weight, and each
+    window's estimate is the formula with that A: one norm per window."""
+    m, windows = 4, 24
+    opt = _sampled(m)
+    rs = np.random.RandomState(0)
+    params = {"w": jnp.zeros(3)}
+    state = opt.init(params)
+    step = jax.jit(lambda g, w, s: opt.update({"w": g}, s, params, weight=w)[1])
+    slots = []
+    for window in range(windows):
+        grads = rs.randn(m, 3).astype(np.float32)
+        weights = rs.choice([0.0, 1.0, 2.0, 5.0], m).astype(np.float32)
+        weights[:2] = [3.0, 1.0]  # k >= 2: an estimate
+        slot = int(sampled_slot(window, m))
+        slots.append(slot)
+        sampled = m * weights[slot] * np.sum(grads[slot].astype(np.float64) ** 2)
+        for i in range(m):
+            state = step(grads[i], weights[i], state)
+            if i < m - 1:  # the window is still open
+                np.testing.assert_allclose(
+                    state.noise.sq_norm_sum, sampled if i >= slot else 0.0, rtol=1e-6
+                )
+                assert float(state.noise.micro_batches) == np.count_nonzero(
+                    weights[: i + 1]
+                )
+        stats = opt.stats(state)
+        grad_sq_norm, trace = _formula(grads, weights, slot)
+        # float32 sums, and both estimates are differences that may cancel.
+        np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-4)
+        np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-4)
+    # Every slot is drawn, none much more often than the others.
+    assert sorted(set(slots)) == list(range(m)), slots
+    assert max(np.bincount(slots)) <= 12, slots
+
+
+def test_sampled_slot_is_uniform_and_a_function_of_the_window_only():
+    draws = np.asarray(jax.vmap(lambda n: sampled_slot(n, 8))(jnp.arange(16000)))
+    assert draws.dtype == np.int32 and draws.min() == 0 and draws.max() == 7
+    # Each slot 2000 +- 4 standard deviations (sqrt(2000 * 7 / 8) = 42).
+    assert np.abs(np.bincount(draws) - 2000).max() < 4 * 42, np.bincount(draws)
+    again = np.asarray(jax.jit(jax.vmap(lambda n: sampled_slot(n, 8)))(jnp.arange(16)))
+    np.testing.assert_array_equal(again, draws[:16])
+
+
+@pytest.mark.parametrize("count_skipped", [False, True])
+def test_sampled_slots_are_filled_micro_batches(count_skipped):
+    """Without ``count_skipped`` a skipped micro-batch takes no slot: slot j
+    is the (j+1)-th accepted micro-batch. With it, a skipped micro-batch in
+    the drawn slot takes it with weight 0, and the window's A is 0."""
+    m = 4
+    opt = _sampled(m, skip_nonfinite=True, count_skipped=count_skipped)
+    slot = int(sampled_slot(0, m))
+    accepted = [[1.0, 2.0], [3.0, -1.0], [0.0, 1.5], [2.0, 2.0]]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    grads, call_weights = list(accepted), list(weights)
+    # A non-finite micro-batch where slot j would be filled.
+    grads.insert(slot, [np.nan, 1.0])
+    call_weights.insert(slot, 5.0)
+    params = {"w": jnp.zeros(2)}
+    state = opt.init(params)
+    step = jax.jit(lambda g, w, s: opt.update({"w": g}, s, params, weight=w)[1])
+    calls = 0
+    for g, w in zip(grads, call_weights, strict=True):
+        state, calls = step(jnp.asarray(g, jnp.float32), w, state), calls + 1
+        if int(state.gradient_step) == 1:
+            break
+    # Counted, the skipped micro-batch closes the window one call early.
+    assert calls == (m if count_skipped else m + 1)
+    if count_skipped:  # the NaN took slot j with weight 0; the last waits
+        window = [accepted[i] if i < slot else accepted[i - 1] for i in range(m)]
+        window[slot] = [0.0, 0.0]
+        window_weights = [weights[i] if i < slot else weights[i - 1] for i in range(m)]
+        window_weights[slot] = 0.0
+        expected = _formula(window, window_weights, slot)
+    else:  # slot j is the next accepted micro-batch
+        expected = _formula(accepted, weights, slot)
+    stats = opt.stats(state)
+    np.testing.assert_allclose(stats.grad_sq_norm, expected[0], rtol=1e-5)
+    np.testing.assert_allclose(stats.noise_trace, expected[1], rtol=1e-5)
+
+
+def test_a_flushed_window_gives_no_sampled_estimate():
+    """A window closed before its m slots are filled is not an m-slot sample:
+    under "sampled" it leaves the averages as they are; "all" measures it."""
+    grads = [[3.0, 0.0], [1.0, 4.0], [-1.0, 2.0]]
+    params = {"w": jnp.zeros(2)}
+
+    def flushed(opt, state):
+        for g in grads:
+            _, state = opt.update({"w": jnp.asarray(g)}, state, params)
+        return opt.flush(state, params)[1]
+
+    every = _sampled(4, **ALL)
+    np.testing.assert_allclose(
+        every.stats(flushed(every, every.init(params))).noise_trace,
+        _formula(grads, [1.0] * 3)[1],
+        rtol=1e-6,
+    )
+    opt = _sampled(4)
+    state = jax.jit(lambda s: flushed(opt, s))(opt.init(params))
+    assert int(state.gradient_step) == 1
+    assert all(bool(jnp.isnan(v)) for v in opt.stats(state)[5:])
+    assert float(state.noise.decay_power) == 1.0
+    # After a full window, a flushed one leaves its estimate unchanged.
+    for g in grads + [[2.0, 2.0]]:
+        _, state = opt.update({"w": jnp.asarray(g)}, state, params)
+    before = state.noise
+    assert np.isfinite(float(opt.stats(state).noise_trace))
+    state = flushed(opt, state)
+    assert int(state.gradient_step) == 3
+    for name in ("grad_sq_norm", "noise_trace", "decay_power"):
+        assert float(getattr(state.noise, name)) == float(getattr(before, name))
+    assert float(state.noise.sq_norm_sum) == float(state.noise.micro_batches) == 0.0
+
+
+def test_sampled_run_resumes_bitwise_from_a_checkpoint():
+    """No PRNG state: the slot is drawn from the window's index, so a state
+    restored mid-window (through numpy, as a checkpoint) goes on bit for bit."""
+    opt = ga.MultiSteps(
+        optax.adam(1e-2), 3, track_noise_scale=True, noise_scale_decay=0.5
+    )
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    rs = np.random.RandomState(3)
+    grads = [
+        jax.tree.map(lambda p: jnp.asarray(rs.randn(*p.shape), jnp.float32), params)
+        for _ in range(20)
+    ]
+
+    @jax.jit
+    def step(params, state, g):
+        updates, state = opt.update(g, state, params, weight=2.0)
+        return optax.apply_updates(params, updates), state
+
+    def run(params, state, grads):
+        for g in grads:
+            params, state = step(params, state, g)
+        return params, state
+
+    mid = run(params, opt.init(params), grads[:10])
+    assert int(mid[1].mini_step) == 1  # mid-window
+    through = run(*mid, grads[10:])
+    restored = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), mid)
+    resumed = run(*restored, grads[10:])
+    assert jax.tree.structure(resumed) == jax.tree.structure(through)
+    for a, b in zip(jax.tree.leaves(through), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.isfinite(float(opt.stats(through[1]).noise_scale))
+
+
+def test_sampled_bfloat16_gradients_are_measured_in_float32():
+    m = 4
+    opt = _sampled(m)
+    params = {"w": jnp.zeros(64, jnp.bfloat16)}
+    rs = np.random.RandomState(4)
+    grads = [jnp.asarray(rs.randn(64), jnp.bfloat16) for _ in range(m)]
+    weights = [2.0, 1.0, 3.0, 1.0]
+    state = opt.init(params)
+    for g, w in zip(grads[:-1], weights[:-1], strict=True):
+        _, state = opt.update({"w": g}, state, params, weight=w)
+    slot = int(sampled_slot(0, m))
+    as_float = [np.asarray(g, np.float64) for g in grads]
+    assert state.noise.sq_norm_sum.dtype == jnp.float32
+    if slot < m - 1:
+        np.testing.assert_allclose(
+            state.noise.sq_norm_sum,
+            m * weights[slot] * np.sum(as_float[slot] ** 2),
+            rtol=1e-6,
+        )
+    _, state = opt.update({"w": grads[-1]}, state, params, weight=weights[-1])
+    stats = opt.stats(state)
+    assert {v.dtype for v in stats[5:]} == {jnp.dtype(jnp.float32)}
+    grad_sq_norm, trace = _formula(as_float, weights, slot)
+    # The window sums bf16 gradients in float32: exact up to float32 rounding.
+    np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-4)
+    np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-4)
+
+
+# Per-device terms (`unreduced_axes`): each device's gradient of a micro-batch
+# is a small batch of its own; the sampled micro-batch's terms, on every device.
+
+MESHES = {
+    "1d-explicit": ((8,), ("data",), AxisType.Explicit),
+    "1d-auto": ((8,), ("data",), AxisType.Auto),
+    "2d-explicit": ((4, 2), ("data", "model"), AxisType.Explicit),
+}
+
+
+def _device_loss(params, x, y, mask):
+    """A device's masked mean loss and its number of valid examples."""
+    errors = jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2, axis=-1)
+    count = jnp.sum(mask)
+    return jnp.sum(mask * errors) / jnp.maximum(count, 1.0), count
+
+
+def _device_terms(params, batch, devices, weighted):
+    """A micro-batch on the host: ``sum_d w_d |g_d|^2``, k, ``sum_d w_d (g_d)``.
+
+    Weighted: ``w_d`` is device d's number of valid examples. Unweighted:
+    each device's term is ``g_d / n`` of a micro-batch of weight 1, so
+    ``w_d = 1 / n``.
+    """
+    a = k = total = grad_sum = 0.0
+    for x, y, mask in zip(*(np.split(part, devices) for part in batch), strict=True):
+        grads = jax.grad(lambda *args: _device_loss(*args)[0])(params, x, y, mask)
+        g = np.concatenate([np.ravel(grads[name]) for name in sorted(grads)])
+        g = g.astype(np.float64)
+        w = float(mask.sum()) if weighted else 1.0 / devices
+        if w:
+            a, k = a + w * np.sum(g**2), k + 1
+        total, grad_sum = total + w, grad_sum + w * g
+    return a, k, total, grad_sum
+
+
+def _per_device_run(m, weighted, estimator):
+    """``(opt, jitted step, jitted reduce_window)`` on per-device terms."""
+    opt = ga.MultiSteps(
+        optax.sgd(0.0),
+        m,
+        unreduced_axes="data",
+        track_noise_scale=True,
+        noise_scale_decay=0.0,
+        noise_scale_estimator=estimator,
+    )
+    grad_fn = ga.local_value_and_grad(
+        _device_loss if weighted else (lambda *args: _device_loss(*args)[0]),
+        "data",
+        has_weight=weighted,
+    )
+
+    def step(params, state, x, y, mask):
+        if weighted:
+            (_, weight), grads = grad_fn(params, x, y, mask)
+            return opt.update(grads, state, params, weight=weight)[1]
+        return opt.update(grad_fn(params, x, y, mask)[1], state, params)[1]
+
+    return opt, jax.jit(step), jax.jit(opt.reduce_window)
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_sampled_per_device_terms_are_the_drawn_micro_batchs(mesh_name, weighted):
+    """Each device adds its own term of the drawn micro-batch (m times), the
+    same slot on every device; k counts every (device, micro-batch) pair of
+    nonzero weight. Both estimators against the devices' gradients taken
+    apart on the host."""
+    shape, axes, axis_type = MESHES[mesh_name]
+    devices, m, windows = shape[0], 3, 3
+    rs = np.random.RandomState(5)
+    batches = [
+        (
+            rs.randn(32, 16).astype(np.float32),
+            rs.randn(32, 4).astype(np.float32),
+            (rs.rand(32) < 0.6).astype(np.float32),
+        )
+        for _ in range(m * windows)
+    ]
+    k1, k2 = jax.random.split(jax.random.key(0))
+    host_params = {
+        "w1": np.asarray(jax.random.normal(k1, (16, 8)) * 0.3),
+        "w2": np.asarray(jax.random.normal(k2, (8, 4)) * 0.3),
+    }
+    terms = [_device_terms(host_params, b, devices, weighted) for b in batches]
+    runs = {name: _per_device_run(m, weighted, name) for name in ("all", "sampled")}
+    mesh = jax.make_mesh(shape, axes, axis_types=(axis_type,) * len(axes))
+    with jax.set_mesh(mesh):
+        # Replicated: per-device terms of tensor-parallel params do not go
+        # through `_partials.map_terms` (its unreduced shard_map must be
+        # fully manual), with either estimator.
+        params = jax.device_put(host_params, P())
+        states = {name: jax.jit(run[0].init)(params) for name, run in runs.items()}
+        for window in range(windows):
+            slot = int(sampled_slot(window, m))
+            window_terms = terms[window * m : (window + 1) * m]
+            for i in range(m):
+                placed = [
+                    jax.device_put(part, P("data")) for part in batches[window * m + i]
+                ]
+                for name, (_, step, _) in runs.items():
+                    states[name] = step(params, states[name], *placed)
+                if i < m - 1:  # open: the sampled A holds the drawn terms
+                    noise = runs["sampled"][2](states["sampled"]).noise
+                    np.testing.assert_allclose(
+                        float(noise.sq_norm_sum),
+                        m * window_terms[slot][0] if i >= slot else 0.0,
+                        rtol=1e-5,
+                    )
+                    assert float(noise.micro_batches) == sum(
+                        t[1] for t in window_terms[: i + 1]
+                    )
+            a_all, k, total = (sum(t[j] for t in window_terms) for j in range(3))
+            mean_sq = np.sum((sum(t[3] for t in window_terms) / total) ** 2)
+            for name, a in (("all", a_all), ("sampled", m * window_terms[slot][0])):
+                stats = runs[name][0].stats(states[name])
+                trace = (a - total * mean_sq) / (k - 1)
+                np.testing.assert_allclose(
+                    stats.noise_trace, trace, rtol=1e-4, err_msg=name
+                )
+                np.testing.assert_allclose(
+                    stats.grad_sq_norm,
+                    mean_sq - trace / total,
+                    rtol=1e-4,
+                    atol=1e-4 * abs(trace / total),
+                    err_msg=name,
+                )
 
 
 # --- the adaptive window -----------------------------------------------------------

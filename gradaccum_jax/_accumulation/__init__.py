@@ -9,7 +9,7 @@ and `MultiSteps.gradient_transformation` give the same machinery as an
 * `_engine`: the micro-step and the emission, composed of parts;
 * `_store`: the window's storage as the emission sees it;
 * `_inner_step`: the inner optimizer's step in the window's own buffers;
-* `_window_size`: fixed, scheduled and adaptive window sizes;
+* `_size_policy`: fixed, scheduled and adaptive window sizes;
 * `_skip`: which micro-batches the window takes;
 * `_transformation`, `_accumulate`: the optax-transformation forms.
 """

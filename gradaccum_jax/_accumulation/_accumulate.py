@@ -9,11 +9,12 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _checks, _noise_scale
+from gradaccum_jax import _checks
 from gradaccum_jax._accumulation._multisteps import MultiSteps
+from gradaccum_jax._accumulation._size_policy import Schedule
 from gradaccum_jax._accumulation._skip import ShouldSkipUpdateFunction
 from gradaccum_jax._accumulation._transformation import AccumulationTransformation
-from gradaccum_jax._accumulation._window_size import Schedule
+from gradaccum_jax._window_size import AdaptiveWindow
 
 
 def accumulate(
@@ -28,6 +29,7 @@ def accumulate(
     unreduced_axes: str | Sequence[str] = (),
     track_noise_scale: bool = False,
     noise_scale_decay: float = 0.95,
+    noise_scale_estimator: str = "sampled",
     average: bool | None = None,
 ) -> AccumulationTransformation:
     """Accumulation as a transformation, for use inside `optax.chain`.
@@ -53,6 +55,7 @@ def accumulate(
       track_noise_scale: as in `MultiSteps`: estimate the gradient noise
         scale (`stats`).
       noise_scale_decay: as in `MultiSteps`.
+      noise_scale_estimator: as in `MultiSteps`: ``"sampled"`` or ``"all"``.
       average: deprecated spelling of ``use_grad_mean``.
 
     Returns:
@@ -66,7 +69,7 @@ def accumulate(
             stacklevel=2,
         )
         use_grad_mean = _checks.boolean("average", average)
-    if not callable(every_k) and not isinstance(every_k, _noise_scale.AdaptiveWindow):
+    if not callable(every_k) and not isinstance(every_k, AdaptiveWindow):
         _checks.window_size("every_k", every_k)
     return MultiSteps(
         opt,
@@ -79,4 +82,5 @@ def accumulate(
         unreduced_axes=unreduced_axes,
         track_noise_scale=track_noise_scale,
         noise_scale_decay=noise_scale_decay,
+        noise_scale_estimator=noise_scale_estimator,
     ).gradient_transformation()

@@ -7,9 +7,10 @@ from typing import Any
 import optax
 
 from gradaccum_jax import _checks, _noise_scale, _partials
+from gradaccum_jax._accumulation import _skip
 from gradaccum_jax._accumulation._parts import Parts
+from gradaccum_jax._accumulation._size_policy import window_size_policy
 from gradaccum_jax._accumulation._store import DecodedWindow, SharedWindow
-from gradaccum_jax._accumulation._window_size import window_size_policy
 from gradaccum_jax._statistic import WindowStatistic
 from gradaccum_jax._window import (
     WindowAccumulator,
@@ -24,6 +25,7 @@ def engine_parts(
     *,
     use_grad_mean,
     should_skip_update_fn,
+    skip_nonfinite,
     accumulator_dtype,
     count_skipped,
     window_accumulator,
@@ -31,14 +33,20 @@ def engine_parts(
     window_reduction,
     track_noise_scale,
     noise_scale_decay,
+    noise_scale_estimator,
     statistics,
 ) -> Parts:
     """The engine's parts for `MultiSteps`' arguments, validated."""
     window_size = window_size_policy(every_k_schedule)
+    should_skip_update_fn = _skip.skip_function(should_skip_update_fn, skip_nonfinite)
+    unreduced_axes = _checks.axis_names("unreduced_axes", unreduced_axes)
     track_noise_scale = window_size.needs_noise_scale or _checks.boolean(
         "track_noise_scale", track_noise_scale
     )
     noise_scale_decay = _checks.decay_rate("noise_scale_decay", noise_scale_decay)
+    estimator = _checks.one_of(
+        "noise_scale_estimator", noise_scale_estimator, _noise_scale.ESTIMATORS
+    )
     if unreduced_axes and should_skip_update_fn is not None:
         raise ValueError(
             "`unreduced_axes` cannot be combined with `should_skip_update_fn` "
@@ -50,7 +58,7 @@ def engine_parts(
     statistics = _statistics(statistics)
     noise: tuple[WindowStatistic, ...] = ()
     if track_noise_scale:
-        noise = (_noise_scale.noise_scale_statistic(noise_scale_decay),)
+        noise = (_noise_scale.noise_scale_statistic(noise_scale_decay, estimator),)
     return Parts(
         opt=optax.with_extra_args_support(_checks.transformation("opt", opt)),
         store=_store(accumulator_dtype, window_accumulator, unreduced_axes),

@@ -6,7 +6,7 @@ window's storage (a `WindowAccumulator`, seen through `SharedWindow` or
 once per trace), the window's cross-device reduction (a
 `WindowReduction`), the window statistics (`WindowStatistic`s, the noise
 scale among them), the inner optimizer's step (`_inner_step`) and the next
-window's size (`_window_size`). A micro-step reads::
+window's size (`_size_policy`). A micro-step reads::
 
     accept -> add -> observe -> count -> emit_if(window is full)
 

@@ -18,10 +18,10 @@ import optax
 from gradaccum_jax import _checks, _noise_scale, _partials
 from gradaccum_jax._accumulation import _engine, _skip, _window_ops
 from gradaccum_jax._accumulation._configure import check_state, engine_parts
+from gradaccum_jax._accumulation._size_policy import Schedule
 from gradaccum_jax._accumulation._skip import ShouldSkipUpdateFunction
 from gradaccum_jax._accumulation._state import AccumulationStats, MultiStepsState
 from gradaccum_jax._accumulation._transformation import AccumulationTransformation
-from gradaccum_jax._accumulation._window_size import Schedule
 from gradaccum_jax._statistic import WindowStatistic
 from gradaccum_jax._window import (
     WindowAccumulator,
@@ -93,6 +93,7 @@ class MultiSteps:
         window_reduction: _partials.WindowReduction | None = None,
         track_noise_scale: bool = False,
         noise_scale_decay: float = 0.95,
+        noise_scale_estimator: str = "sampled",
         statistics: Sequence[WindowStatistic] = (),
     ):
         """Builds the wrapper.
@@ -109,11 +110,10 @@ class MultiSteps:
             -> (skip, skip_state)``, e.g. `skip_not_finite`; a skipped
             micro-batch leaves the state as if it never happened, except
             ``skip_state``.
-          accumulator_dtype: floating dtype of the window sum (narrower
-            than float32: of a running mean, see `float_accumulator`).
-          skip_nonfinite: shorthand for
-            ``should_skip_update_fn=skip_not_finite``: micro-batches whose
-            gradients hold NaN or Inf are skipped.
+          accumulator_dtype: floating dtype of the window sum (a running
+            mean below float32).
+          skip_nonfinite: skip micro-batches whose gradients hold NaN or Inf
+            (``should_skip_update_fn=skip_not_finite``).
           count_skipped: if False (optax's behaviour), a skipped micro-batch
             is as if it never happened; if True, it takes its place in the
             window with weight 0, so every window closes after exactly k
@@ -135,6 +135,9 @@ class MultiSteps:
           noise_scale_decay: decay in [0, 1) of the moving averages of the
             ``|G|^2`` and ``tr(S)`` estimates (bias-corrected; 0 keeps the
             last window's).
+          noise_scale_estimator: ``"sampled"`` (default): one micro-batch's
+            squared norm per window, drawn uniformly, times the window's size
+            (unbiased, cheaper, noisier); ``"all"``: every micro-batch's.
           statistics: more `WindowStatistic` s of the windows (see
             ``docs/architecture.md``, "Write your own part"); their states
             are kept in ``MultiStepsState.statistics``.
@@ -143,16 +146,16 @@ class MultiSteps:
             opt,
             every_k_schedule,
             use_grad_mean=use_grad_mean,
-            should_skip_update_fn=_skip.skip_function(
-                should_skip_update_fn, skip_nonfinite
-            ),
+            should_skip_update_fn=should_skip_update_fn,
+            skip_nonfinite=skip_nonfinite,
             accumulator_dtype=accumulator_dtype,
             count_skipped=count_skipped,
             window_accumulator=window_accumulator,
-            unreduced_axes=_checks.axis_names("unreduced_axes", unreduced_axes),
+            unreduced_axes=unreduced_axes,
             window_reduction=window_reduction,
             track_noise_scale=track_noise_scale,
             noise_scale_decay=noise_scale_decay,
+            noise_scale_estimator=noise_scale_estimator,
             statistics=statistics,
         )
 

@@ -7,8 +7,8 @@ from typing import NamedTuple
 import optax
 
 from gradaccum_jax._accumulation import _skip
+from gradaccum_jax._accumulation._size_policy import AdaptiveSize, ScheduledSize
 from gradaccum_jax._accumulation._store import DecodedWindow, SharedWindow
-from gradaccum_jax._accumulation._window_size import AdaptiveSize, ScheduledSize
 from gradaccum_jax._partials import TermsLayout, WindowReduction, terms_layout
 from gradaccum_jax._statistic import WindowStatistic
 

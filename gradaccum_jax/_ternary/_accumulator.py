@@ -15,7 +15,6 @@ from gradaccum_jax._accumulation import (
     MultiSteps,
     ShouldSkipUpdateFunction,
 )
-from gradaccum_jax._noise_scale import AdaptiveWindow
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._leaves import (
     DEFAULT_MIN_SIZE,
@@ -31,6 +30,7 @@ from gradaccum_jax._ternary._quantize import (
     ternary_dequantize,
 )
 from gradaccum_jax._window import WindowAccumulator
+from gradaccum_jax._window_size import AdaptiveWindow
 
 # Largest every_k each code-sum dtype can hold: a window adds at most one
 # code in {-1, 0, 1} per micro-step, so |sum| <= every_k.
@@ -266,6 +266,7 @@ def ternary_accumulate(
     count_skipped: bool = False,
     track_noise_scale: bool = False,
     noise_scale_decay: float = 0.95,
+    noise_scale_estimator: str = "sampled",
     unreduced_axes: str | Sequence[str] = (),
 ) -> AccumulationTransformation:
     """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
@@ -298,6 +299,7 @@ def ternary_accumulate(
       track_noise_scale: as in `MultiSteps`; ``tr(S)`` comes out low by about
         the codes' variance times the window weight.
       noise_scale_decay: as in `MultiSteps`.
+      noise_scale_estimator: as in `MultiSteps`: ``"sampled"`` or ``"all"``.
       unreduced_axes: one mesh axis over which the gradients arrive as
         per-device terms (`local_value_and_grad`): each device keeps its own
         ternary window, reduced once per window in float32.
@@ -323,6 +325,7 @@ def ternary_accumulate(
         unreduced_axes=unreduced_axes,
         track_noise_scale=track_noise_scale,
         noise_scale_decay=noise_scale_decay,
+        noise_scale_estimator=noise_scale_estimator,
     ).gradient_transformation()
 
 

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax import _checks, _noise_scale
+from gradaccum_jax._window_size import AdaptiveWindow
 
-Schedule = int | Callable[[jax.Array], jax.Array] | _noise_scale.AdaptiveWindow
+Schedule = int | Callable[[jax.Array], jax.Array] | AdaptiveWindow
 
 
 class ScheduledSize:
@@ -49,7 +50,7 @@ class AdaptiveSize:
 
     needs_noise_scale = True
 
-    def __init__(self, adaptive: _noise_scale.AdaptiveWindow):
+    def __init__(self, adaptive: AdaptiveWindow):
         self._adaptive = adaptive
 
     def initial(self) -> jax.Array:
@@ -67,7 +68,7 @@ def window_size_policy(
     every_k_schedule: Schedule, argument: str = "every_k_schedule"
 ) -> ScheduledSize | AdaptiveSize:
     """The policy for ``every_k_schedule``, validated (a ValueError naming it)."""
-    if isinstance(every_k_schedule, _noise_scale.AdaptiveWindow):
+    if isinstance(every_k_schedule, AdaptiveWindow):
         return AdaptiveSize(every_k_schedule)
     if isinstance(every_k_schedule, int | np.integer) and not isinstance(
         every_k_schedule, bool
