@@ -82,6 +82,7 @@ def test_every_page_is_built(html):
         "guides/microbatching",
         "guides/ternary",
         "guides/noise_scale",
+        "guides/low_communication",
     ):
         assert (html / f"{page}.html").is_file(), page
     assert "Unreleased" in (html / "changelog.html").read_text()
