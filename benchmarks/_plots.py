@@ -185,7 +185,8 @@ def low_communication(data: dict, path: Path, where: str) -> Path:
         sent = [(b / MIB, loss) for b, loss in zip(curve["bytes"], curve["loss"],
                 strict=True) if b > 0]  # fmt: skip
         bytes_ax.plot(*zip(*sent, strict=True), label=name, **style)
-    examples_ax.set_xlabel("examples seen (all devices)")
+    unit = data.get("unit", "examples")
+    examples_ax.set_xlabel(f"{unit} seen (all devices)")
     bytes_ax.set_xscale("log")
     bytes_ax.set_xlabel("bytes all-reduced so far (MiB, compiled HLO x runs)")
     for ax in (examples_ax, bytes_ax):
@@ -195,7 +196,7 @@ def low_communication(data: dict, path: Path, where: str) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle(
         f"{data['model']}, {data['devices']} devices x {data['per_device_batch']} "
-        f"examples per step, inner {data['inner']}\n({where})",
+        f"{unit} per step, inner {data['inner']}\n({where})",
         fontsize=10,
     )
     return _save(fig, path)

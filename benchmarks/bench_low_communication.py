@@ -41,8 +41,14 @@ its ratio to DP float32, total bytes and their ratio to DP float32) and
 writes the curves to ``benchmarks/plots/low_communication.png`` and the
 figures to ``benchmarks/plots/low_communication.json``.
 
+``--task transformer`` trains the small transformer LM of
+``examples/transformer_lm.py`` instead (its corpus, model and masked loss;
+4 sequences of 32 tokens per device and step, AdamW lr 3e-3 at a constant
+rate) and writes ``low_communication_transformer.png`` / ``.json``.
+
 Run: ``python benchmarks/bench_low_communication.py [--steps 512]
-[--seeds 4] [--lr 2e-3]``
+[--seeds 4] [--lr 2e-3] [--task digits|transformer] [--only "DP float32,
+DiLoCo H=32"]``
 """
 
 from __future__ import annotations
@@ -56,7 +62,10 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -171,13 +180,72 @@ def _ternary_outer_reduction():
     return ga.ternary_average_across_devices(AXIS, TERNARY_SEED)
 
 
-def batch_indices(seeds: list[int], num_train: int, steps: int) -> np.ndarray:
+class Task(NamedTuple):
+    """What is trained: the data, the model's initial params and its loss."""
+
+    name: str
+    train: tuple[np.ndarray, ...]  # arrays indexed by example on axis 0
+    val: tuple[np.ndarray, ...]
+    init: Callable[[int], Any]  # seed -> params
+    loss: Callable[..., jax.Array]  # loss(params, *examples) -> scalar
+    per_device_batch: int
+    learning_rate: float  # the inner AdamW's, unless --lr says otherwise
+    unit: str  # what one example is, for the tables and plots
+
+
+def digits_task() -> Task:
+    """The MLP of ``gradaccum_jax.demo`` on its digits split."""
+    x_train, y_train, x_val, y_val = demo.load_digits(0)
+    sizes = (x_train.shape[1], HIDDEN, HIDDEN, 10)
+    return Task(
+        f"digits MLP {sizes}",
+        (x_train, y_train),
+        (x_val, y_val),
+        lambda seed: demo.init_mlp(jax.random.key(seed), sizes),
+        demo.loss_fn,
+        PER_DEVICE_BATCH,
+        2e-3,
+        "examples",
+    )
+
+
+def transformer_task() -> Task:
+    """The small transformer LM of ``examples/transformer_lm.py``."""
+    spec = importlib.util.spec_from_file_location(
+        "transformer_lm", HERE.parent / "examples" / "transformer_lm.py"
+    )
+    lm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = lm  # its dataclasses look their module up
+    spec.loader.exec_module(lm)
+    cfg = lm.CONFIGS["small"]
+    corpus = lm.load_corpus(cfg)
+    graphdef, _ = lm.init_model(cfg)
+    masked_mean = lm.make_loss(graphdef)  # (mean over valid tokens, count)
+    return Task(
+        f"transformer LM (small: d={cfg.d_model}, {cfg.n_layers} layers, "
+        f"{cfg.seq_len} tokens)",
+        (corpus.train_tokens, corpus.train_mask),
+        (corpus.val_tokens, corpus.val_mask),
+        lambda seed: lm.init_model(dataclasses.replace(cfg, seed=seed))[1],
+        lambda params, tokens, mask: masked_mean(params, tokens, mask)[0],
+        cfg.batch // NUM_DEVICES,
+        cfg.learning_rate,
+        "sequences",
+    )
+
+
+TASKS = {"digits": digits_task, "transformer": transformer_task}
+
+
+def batch_indices(
+    seeds: list[int], num_train: int, steps: int, per_device: int
+) -> np.ndarray:
     """(devices, seeds, steps, per-device batch) example indices.
 
     A fresh permutation of the training set per epoch of global batches,
     as in ``demo.batches``; each device takes its own slice of each.
     """
-    global_batch = NUM_DEVICES * PER_DEVICE_BATCH
+    global_batch = NUM_DEVICES * per_device
     per_epoch = num_train // global_batch
     epochs = -(-steps // per_epoch)
     out = []
@@ -186,56 +254,55 @@ def batch_indices(seeds: list[int], num_train: int, steps: int) -> np.ndarray:
         order = [rng.permutation(num_train)[: per_epoch * global_batch]
                  for _ in range(epochs)]  # fmt: skip
         out.append(np.concatenate(order).reshape(-1, global_batch)[:steps])
-    indices = np.stack(out).reshape(len(seeds), steps, NUM_DEVICES, PER_DEVICE_BATCH)
+    indices = np.stack(out).reshape(len(seeds), steps, NUM_DEVICES, per_device)
     return indices.transpose(2, 0, 1, 3)
 
 
-def sizes() -> tuple[int, ...]:
-    return (64, HIDDEN, HIDDEN, 10)
-
-
-def train_step(tx: optax.GradientTransformation, x_train, y_train):
+def train_step(tx: optax.GradientTransformation, task: Task, train):
     """One device's step: its gradient, then ``tx`` (which talks to the rest)."""
 
     def step(params, state, indices):
-        grads = jax.grad(demo.loss_fn)(params, x_train[indices], y_train[indices])
+        grads = jax.grad(task.loss)(params, *(a[indices] for a in train))
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
     return step
 
 
-def validation_curves(method: Method, data, seeds: list[int], steps: int):
+def validation_curves(method: Method, task: Task, seeds: list[int], steps: int):
     """Validation loss every EVAL_EVERY steps, (seeds, evaluations)."""
-    x_train, y_train, x_val, y_val = (jnp.asarray(a) for a in data)
+    train = tuple(jnp.asarray(a) for a in task.train)
+    val = tuple(jnp.asarray(a) for a in task.val)
     tx = method.optimizer()
-    step = train_step(tx, x_train, y_train)
+    step = train_step(tx, task, train)
 
-    def train_one(seed, indices):
-        params = demo.init_mlp(jax.random.key(seed), sizes())
-
+    def train_one(params, indices):
         def chunk(carry, chunk_indices):
             carry, _ = jax.lax.scan(
                 lambda c, i: (step(*c, i), None), carry, chunk_indices
             )
             evaluated = method.global_params(*carry)
-            return carry, demo.loss_fn(evaluated, x_val, y_val)
+            return carry, task.loss(evaluated, *val)
 
         chunks = indices.reshape(steps // EVAL_EVERY, EVAL_EVERY, -1)
         _, losses = jax.lax.scan(chunk, (params, tx.init(params)), chunks)
         return losses
 
-    indices = jnp.asarray(batch_indices(seeds, len(data[0]), steps))
+    indices = batch_indices(seeds, len(task.train[0]), steps, task.per_device_batch)
+    # Every device starts from the same params (one set per seed).
+    initial = jax.tree.map(lambda *p: jnp.stack(p), *(task.init(s) for s in seeds))
     run = jax.pmap(jax.vmap(train_one), axis_name=AXIS, in_axes=(None, 0))
     # Every device evaluates the same global model: device 0's figures.
-    return np.asarray(run(jnp.asarray(seeds), indices)[0])
+    return np.asarray(run(initial, jnp.asarray(indices))[0])
 
 
-def step_all_reduces(method: Method, data) -> list[ga.AllReduce]:
+def step_all_reduces(method: Method, task: Task) -> list[ga.AllReduce]:
     """The all-reduces of one compiled pmapped train step of ``method``."""
-    x_train, y_train = jnp.asarray(data[0]), jnp.asarray(data[1])
+    train = tuple(jnp.asarray(a) for a in task.train)
     tx = method.optimizer()
-    params = jax.eval_shape(lambda key: demo.init_mlp(key, sizes()), jax.random.key(0))
+    params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), task.init(0)
+    )
     state = jax.eval_shape(tx.init, params)
 
     def per_device(tree):
@@ -243,8 +310,8 @@ def step_all_reduces(method: Method, data) -> list[ga.AllReduce]:
             lambda a: jax.ShapeDtypeStruct((NUM_DEVICES, *a.shape), a.dtype), tree
         )
 
-    indices = jax.ShapeDtypeStruct((NUM_DEVICES, PER_DEVICE_BATCH), jnp.int32)
-    step = jax.pmap(train_step(tx, x_train, y_train), axis_name=AXIS)
+    indices = jax.ShapeDtypeStruct((NUM_DEVICES, task.per_device_batch), jnp.int32)
+    step = jax.pmap(train_step(tx, task, train), axis_name=AXIS)
     compiled = step.lower(per_device(params), per_device(state), indices).compile()
     return ga.all_reduces(compiled)
 
@@ -258,11 +325,41 @@ def bytes_sent(reductions: list[ga.AllReduce], steps: int, syncs: int) -> int:
     return sum(r.nbytes * runs[r.place] for r in reductions)
 
 
+def measure(task: Task, chosen: list[Method], seeds: list[int], steps: int) -> dict:
+    """Each method's validation curve and bytes, as the record's ``curves``."""
+    evals = np.arange(1, steps // EVAL_EVERY + 1) * EVAL_EVERY
+    curves = {}
+    for method in chosen:
+        t0 = time.time()
+        losses = validation_curves(method, task, seeds, steps)
+        reductions = step_all_reduces(method, task)
+        curves[method.name] = {
+            "loss": losses.mean(0).tolist(),
+            "loss_per_seed": losses[:, -1].tolist(),
+            "bytes": [
+                bytes_sent(reductions, int(e), method.syncs(int(e))) for e in evals
+            ],
+            "all_reduces": [r._asdict() for r in reductions],
+            "syncs": method.syncs(steps),
+            "seconds": time.time() - t0,
+        }
+        print(
+            f"# {method.name}: final loss {curves[method.name]['loss'][-1]:.4f}, "
+            f"{curves[method.name]['bytes'][-1] / 2**20:.2f} MiB "
+            f"({time.time() - t0:.0f} s)",
+            flush=True,
+        )
+    return curves
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="digits")
     parser.add_argument("--steps", type=int, default=512)
     parser.add_argument("--seeds", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr")
+    parser.add_argument(
+        "--lr", type=float, help="inner AdamW lr (default: 2e-3 digits, 3e-3 LM)"
+    )
     parser.add_argument("--outer-lr", type=float, default=OUTER_LR)
     parser.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM)
     parser.add_argument(
@@ -274,55 +371,33 @@ def main() -> None:
     parser.add_argument(
         "--plot-dir",
         default=str(HERE / "plots"),
-        help="where low_communication.png and .json go ('' to skip)",
+        help="where low_communication[_transformer].png and .json go ('' to skip)",
     )
     _headline.add_argument(parser)
     args = parser.parse_args()
     if args.steps % 128:
         parser.error("--steps must be a multiple of 128 (the largest H)")
     start = time.time()
-    data = demo.load_digits(0)
+    task = TASKS[args.task]()
+    learning_rate = task.learning_rate if args.lr is None else args.lr
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    chosen = [m for m in methods(args.lr, args.outer_lr, args.outer_momentum)
+    chosen = [m for m in methods(learning_rate, args.outer_lr, args.outer_momentum)
               if not args.only or m.name in args.only.split(",")]  # fmt: skip
-    evals = np.arange(1, args.steps // EVAL_EVERY + 1) * EVAL_EVERY
-    examples = [int(e) * NUM_DEVICES * PER_DEVICE_BATCH for e in evals]
-    curves = {}
-    for method in chosen:
-        t0 = time.time()
-        losses = validation_curves(method, data, seeds, args.steps)
-        reductions = step_all_reduces(method, data)
-        curves[method.name] = {
-            "loss": losses.mean(0).tolist(),
-            "loss_per_seed": losses[:, -1].tolist(),
-            "bytes": [
-                bytes_sent(reductions, int(e), method.syncs(int(e))) for e in evals
-            ],
-            "all_reduces": [r._asdict() for r in reductions],
-            "syncs": method.syncs(args.steps),
-            "seconds": time.time() - t0,
-        }
-        print(
-            f"# {method.name}: final loss {curves[method.name]['loss'][-1]:.4f}, "
-            f"{curves[method.name]['bytes'][-1] / 2**20:.2f} MiB "
-            f"({time.time() - t0:.0f} s)",
-            flush=True,
-        )
+    curves = measure(task, chosen, seeds, args.steps)
+    global_batch = NUM_DEVICES * task.per_device_batch
     record = {
-        "model": f"digits MLP {sizes()}",
-        "num_params": int(
-            sum(
-                a.size
-                for a in jax.tree.leaves(demo.init_mlp(jax.random.key(0), sizes()))
-            )
-        ),
+        "model": task.name,
+        "num_params": int(sum(np.size(a) for a in jax.tree.leaves(task.init(0)))),
         "devices": NUM_DEVICES,
-        "per_device_batch": PER_DEVICE_BATCH,
-        "inner": f"adamw lr {args.lr} wd {WEIGHT_DECAY}",
+        "per_device_batch": task.per_device_batch,
+        "unit": task.unit,
+        "inner": f"adamw lr {learning_rate:g} wd {WEIGHT_DECAY}",
         "outer": f"Nesterov SGD lr {args.outer_lr:g} momentum {args.outer_momentum:g}",
         "steps": args.steps,
         "seeds": len(seeds),
-        "examples": examples,
+        "examples": [
+            e * global_batch for e in range(EVAL_EVERY, args.steps + 1, EVAL_EVERY)
+        ],
         "curves": curves,
     }
     print(table(record))
@@ -340,22 +415,24 @@ def main() -> None:
                 TARGET_BYTES_RATIO,
             ),
         }
-    _headline.write(args.json, "low communication", figures, data=record)
+    _headline.write(args.json, f"low communication, {args.task}", figures, record)
     if args.plot_dir:
         where = f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores"
-        for path in write_figures(record, Path(args.plot_dir), where):
+        stem = "low_communication" + ("" if args.task == "digits" else "_" + args.task)
+        for path in write_figures(record, Path(args.plot_dir), where, stem):
             print(f"wrote {path}")
 
 
-def write_figures(record: dict, out: Path, where: str) -> list[Path]:
-    """``low_communication.png`` (the curves) and ``.json`` (the figures)."""
+def write_figures(
+    record: dict, out: Path, where: str, stem: str = "low_communication"
+) -> list[Path]:
+    """``<stem>.png`` (the curves) and ``<stem>.json`` (the figures)."""
     import _plots
 
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "low_communication.json"
+    json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps(record, indent=1) + "\n")
-    return [_plots.low_communication(record, out / "low_communication.png", where),
-            json_path]  # fmt: skip
+    return [_plots.low_communication(record, out / f"{stem}.png", where), json_path]
 
 
 def table(record: dict) -> str:
@@ -363,8 +440,9 @@ def table(record: dict) -> str:
     base = curves.get("DP float32")
     lines = [
         f"# {record['model']} ({record['num_params']} params), "
-        f"{record['devices']} devices x {record['per_device_batch']} examples, "
-        f"{record['steps']} steps ({record['examples'][-1]} examples), inner "
+        f"{record['devices']} devices x {record['per_device_batch']} "
+        f"{record['unit']}, {record['steps']} steps ({record['examples'][-1]} "
+        f"{record['unit']}), inner "
         f"{record['inner']}, DiLoCo outer: {record['outer']}; validation loss "
         f"mean of {record['seeds']} seeds\n",
         "| method | val loss at equal examples | vs DP float32 | seeds "
