@@ -47,6 +47,10 @@ JIT_KINDS = ("jit", *(f"jit-{mesh}" for mesh in JIT_MESHES))
 JIT_MICRO_STEPS = 10
 # Checkpoints after micro-steps 4 and 8, both mid-window (EVERY_K = 3).
 CHECKPOINT_EVERY = 4
+# DiLoCo under jax.jit: 8 stacked workers on an Explicit mesh, two fragments
+# synced at staggered steps of a 4-step cycle; the run ends mid-cycle.
+DILOCO_KIND = "diloco"
+DILOCO_SYNC_EVERY = 4
 
 
 def make_data(seed: int = 0, micro_steps: int = MICRO_STEPS) -> dict[str, np.ndarray]:
@@ -301,6 +305,62 @@ def train_jit(
         return _flat((params, reduce_window(state)))
 
 
+def train_diloco(devices: list[Any]) -> dict[str, np.ndarray]:
+    """MICRO_STEPS steps of `diloco` with workers stacked over a jit mesh.
+
+    Adam inside, the default Nesterov outer step, two fragments, each
+    worker's gradient from `worker_value_and_grad` on its rows of the
+    global batch and weighted by its number of valid examples. Returns the
+    stacked params and state keyed by leaf path, the same arrays in every
+    process.
+    """
+    import jax
+    import optax
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import gradaccum_jax as ga
+
+    assert len(devices) == NUM_DEVICES, devices
+    mesh = Mesh(np.array(devices), (JIT_AXIS,), axis_types=(AxisType.Explicit,))
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P(JIT_AXIS))
+
+    def global_array(host, sharding):
+        host = np.asarray(host)
+        return jax.make_array_from_callback(
+            host.shape, sharding, lambda index: host[index]
+        )
+
+    opt = ga.diloco(
+        optax.adam(1e-2), DILOCO_SYNC_EVERY, axis_name=JIT_AXIS, fragments=2
+    )
+    grad_fn = ga.worker_value_and_grad(weighted_loss, JIT_AXIS, has_aux=True)
+
+    def step(params, state, x, y, mask):
+        (_, weight), grads = grad_fn(params, x, y, mask)  # no collective
+        updates, state = opt.update(grads, state, params, weight=weight)
+        return optax.apply_updates(params, updates), state
+
+    data = make_data()
+    with jax.set_mesh(mesh):
+        step = jax.jit(step, donate_argnums=(0, 1))
+        params = {
+            name: global_array(leaf, replicated) for name, leaf in init_params().items()
+        }
+        state = ga.stack_workers(jax.jit(opt.init)(params), JIT_AXIS)
+        params = ga.stack_workers(params, JIT_AXIS)
+        for i in range(MICRO_STEPS):
+            batch = {
+                name: global_array(
+                    value[i].reshape(-1, *value.shape[3:]), batch_sharding
+                )
+                for name, value in data.items()
+            }
+            params, state = step(params, state, batch["x"], batch["y"], batch["mask"])
+        return _flat((params, state))
+
+
 def big_batch_reference(kind: str) -> dict[str, np.ndarray]:
     """The parameters of plain big-batch training on one device.
 
@@ -335,7 +395,9 @@ def main() -> None:
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--kind", choices=KINDS + JIT_KINDS, required=True)
+    parser.add_argument(
+        "--kind", choices=(*KINDS, *JIT_KINDS, DILOCO_KIND), required=True
+    )
     parser.add_argument("--timeout", type=int, default=30)
     parser.add_argument("--checkpoint-dir", help="jit kinds: save checkpoints here")
     parser.add_argument("--resume", action="store_true", help="from the latest one")
@@ -374,6 +436,8 @@ def main() -> None:
 
     if args.kind in KINDS:
         results = train(jax.devices(), args.kind)
+    elif args.kind == DILOCO_KIND:
+        results = train_diloco(jax.devices())
     else:
         meshes = JIT_MESHES if args.kind == "jit" else (args.kind[4:],)
         results = {}

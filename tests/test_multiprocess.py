@@ -202,6 +202,42 @@ def test_replicas_stay_in_sync_and_adam_matches_big_batch(kind):
             np.testing.assert_allclose(result[name][0], want, rtol=0, atol=1e-7)
 
 
+# --- DiLoCo, workers stacked under jax.jit ------------------------------------
+
+
+@functools.cache
+def _single_process_diloco() -> dict[str, np.ndarray]:
+    return worker.train_diloco(jax.devices()[: worker.NUM_DEVICES])
+
+
+def test_diloco_two_processes_match_one_process_with_8_devices(tmp_path):
+    """DiLoCo's stacked workers, fragments and weighted outer mean agree
+    across 2 processes x 4 devices and one process with 8 (float32 rounding:
+    gloo sums the outer gradients in another order)."""
+    expected = _single_process_diloco()
+    # Mid-cycle (7 steps of a 4-step cycle): the workers differ, the
+    # anchors agree, and both fragments have synced once.
+    w = expected["[0]['w']"]
+    assert np.abs(w[1] - w[0]).max() > 0
+    anchor = expected["[1].anchor['w']"]
+    np.testing.assert_array_equal(anchor, np.broadcast_to(anchor[0], anchor.shape))
+    np.testing.assert_array_equal(expected["[1].cycle_step"], 3)
+
+    _launch(worker.DILOCO_KIND, tmp_path)
+
+    for i in range(NUM_PROCESSES):
+        got = _results(tmp_path, worker.DILOCO_KIND, i)
+        assert sorted(got) == sorted(expected)
+        for name, want in expected.items():
+            have = got[name]
+            assert (have.shape, have.dtype) == (want.shape, want.dtype), name
+            if not np.issubdtype(want.dtype, np.floating):
+                np.testing.assert_array_equal(have, want, err_msg=name)
+                continue
+            # Measured: 1.2e-7 (the outer momentum), params 1.0e-7.
+            assert _relative_error(have, want) <= 1e-6, (i, name)
+
+
 # --- the jax.jit path ---------------------------------------------------------
 
 

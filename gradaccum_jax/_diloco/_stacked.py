@@ -23,6 +23,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _tree
+from gradaccum_jax._diloco._state import DiLoCoState
 
 
 def _workers_axis(axis_name: Any, caller: str) -> int:
@@ -72,6 +73,13 @@ def run_stacked(
                 f"{workers} (see gradaccum_jax.stack_workers)."
             )
     per_worker_weight = weight is not None and np.ndim(weight) != 0
+    # Rows not yet laid out over the workers (a weight vector made on the
+    # host, say) are split here; those already split move nothing.
+    grads, state, params = jax.tree.map(
+        functools.partial(_split_rows, axis_name), (grads, state, params)
+    )
+    if per_worker_weight:
+        weight = _split_rows(axis_name, jnp.asarray(weight))
 
     def block(grads, state, params, weight):
         if per_worker_weight:
@@ -122,6 +130,16 @@ def stack_workers(tree: Any, axis_name: str = "data") -> Any:
         jax.sharding.get_abstract_mesh()._name_to_type[axis_name] == AxisType.Explicit
     )
 
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if axis_name in _tree.mesh_axes_of(leaf):
+            raise ValueError(
+                f"stack_workers: leaf {jax.tree_util.keystr(path)} "
+                f"({jax.typeof(leaf)}) is sharded over {axis_name!r}, the "
+                "workers' axis: each worker holds whole params of its own "
+                "there (FSDP over the workers' axis is not supported). Shard "
+                "params over another mesh axis (a `model` or `fsdp` axis)."
+            )
+
     def stack(leaf):
         spec = P(axis_name, *_tree.partitions(leaf))
         repeated = jnp.broadcast_to(leaf[None], (workers, *jnp.shape(leaf)))
@@ -149,8 +167,6 @@ def anchor_params(state: Any) -> Any:
     Returns:
       The anchor params, unstacked.
     """
-    from gradaccum_jax._diloco._state import DiLoCoState  # noqa: PLC0415
-
     found = [
         node
         for node in jax.tree.leaves(
@@ -196,7 +212,7 @@ def _split_rows(axis_name: str, leaf: Any) -> Any:
     parts = _tree.partitions(leaf)
     if parts and parts[0] == axis_name:
         return leaf
-    return jax.sharding.reshard(leaf, P(axis_name))
+    return jax.sharding.reshard(leaf, P(axis_name, *parts[1:]))
 
 
 def worker_value_and_grad(

@@ -43,7 +43,7 @@ class SyncConfig(NamedTuple):
 
     outer: optax.GradientTransformation
     reduction: optax.GradientTransformation | None  # None: a single worker
-    index: int  # the fragment's index in ``cycle_weights``
+    fragment: int  # the fragment's index in ``cycle_weights``
 
 
 def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> SyncCarry:
@@ -57,7 +57,7 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
     to the new anchor. A zero total weight leaves the anchor and the outer
     state as they are (the outer momentum would move it otherwise).
     """
-    weight = carry.cycle_weights[config.index]
+    weight = carry.cycle_weights[config.fragment]
     local = [
         (wide(p) + wide(u)).astype(jnp.result_type(p))
         for p, u in zip(params, carry.updates, strict=True)
@@ -95,7 +95,7 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
         new_anchor,
         outer_state,
         reduction_state,
-        carry.cycle_weights.at[config.index].set(0.0),
+        carry.cycle_weights.at[config.fragment].set(0.0),
     )
 
 

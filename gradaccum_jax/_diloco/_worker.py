@@ -33,7 +33,12 @@ class WorkerConfig(NamedTuple):
 
 
 def inner_step(
-    grads: Any, state: DiLoCoState, params: Any, weight: Any, extra_args: dict, config
+    grads: Any,
+    state: DiLoCoState,
+    params: Any,
+    weight: Any,
+    extra_args: dict,
+    config: WorkerConfig,
 ) -> tuple[Any, Any, jax.Array]:
     """The inner optimizer's step on this worker's gradients, no communication.
 
