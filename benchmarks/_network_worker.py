@@ -12,14 +12,19 @@ Two tasks:
   2-device mesh, parameters replicated, the batch split) of a 4.7M-parameter
   MLP, once per variant: ``f32`` (`average_across_devices`, a float32 mean),
   ``ternary`` (`ternary_average_across_devices`) and ``accum8`` (`MultiSteps`
-  with k=8 around the float32 mean: one all-reduce per 8 micro-steps). The
+  with k=8 around the float32 mean: one all-reduce per 8 micro-steps) and
+  ``diloco32`` (`diloco` with the same sgd as inner optimizer, H=32: each
+  process steps its own params, and every 32 steps one float32 all-reduce
+  of the outer gradient; the params are per device, ``P(AXIS)``). The
   loss is cheap (4 examples per device) so that communication shows. Each
-  repeat runs one step (one window of 8 micro-steps for ``accum8``) and
-  waits for it with ``jax.block_until_ready``; the median over repeats is
-  reported.
-- ``accuracy``: the same three optimizers training a small MLP on
+  repeat runs one step (one window of 8 micro-steps for ``accum8``, one
+  cycle of 32 steps, its sync included, for ``diloco32``) and waits for it
+  with ``jax.block_until_ready``; the median over repeats is reported.
+- ``accuracy``: the same optimizers training a small MLP on
   scikit-learn's ``load_digits`` for a fixed number of updates, per seed;
-  the test accuracy shows what compression costs in accuracy.
+  the test accuracy shows what compression costs in accuracy (for
+  ``diloco32``, that of the anchor: the model the workers agreed on at the
+  last sync).
 
 Process 0 writes the results as JSON to ``--out``. Every wait is bounded:
 ``--timeout`` bounds the coordinator, heartbeats and shutdown, and the
@@ -43,8 +48,9 @@ from typing import Any
 import numpy as np
 
 AXIS = "data"
-VARIANTS = ("f32", "ternary", "accum8")
+VARIANTS = ("f32", "ternary", "accum8", "diloco32")
 EVERY_K = 8
+SYNC_EVERY = 32
 LEARNING_RATE = 1e-3
 
 # Timing model: 256 -> 2048 -> 2048 -> 10, 4,740,106 float32 parameters
@@ -76,6 +82,8 @@ def make_optimizer(variant: str, learning_rate: float, seed: int = 0):
             EVERY_K,
             count_skipped=True,
         )
+    if variant == "diloco32":
+        return ga.diloco(optax.sgd(learning_rate), SYNC_EVERY, axis_name=AXIS)
     raise ValueError(f"unknown variant {variant!r}, expected one of {VARIANTS}")
 
 
@@ -110,13 +118,15 @@ def loss_fn(params, x, y):
 class DataParallel:
     """A jitted data-parallel train step over a 1-D mesh of ``devices``.
 
-    Parameters are replicated (``P()``); the batch is split over the mesh
-    axis; the optimizer state is per device (a leading axis of size
+    Parameters are replicated (``P()``), or with ``per_device_params``
+    (DiLoCo's workers, which drift apart between syncs) one copy per device
+    on a leading axis (``P(AXIS)``); the batch is split over the mesh axis;
+    the optimizer state is per device (a leading axis of size
     ``len(devices)``, ``P(AXIS)``), since the ternary residuals and the
     accumulator differ from device to device.
     """
 
-    def __init__(self, devices: list[Any], tx: Any):
+    def __init__(self, devices: list[Any], tx: Any, per_device_params: bool = False):
         import jax
         import optax
         from jax.sharding import Mesh, NamedSharding
@@ -125,6 +135,8 @@ class DataParallel:
         self.mesh = Mesh(np.array(devices), (AXIS,))
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(AXIS))
+        self.per_device_params = per_device_params
+        params_spec = P(AXIS) if per_device_params else P()
 
         def local(tree):  # this device's block (leading axis 1) -> its value
             return jax.tree.map(lambda leaf: leaf[0], tree)
@@ -132,12 +144,18 @@ class DataParallel:
         def stacked(tree):
             return jax.tree.map(lambda leaf: leaf[None], tree)
 
+        # Per-device params enter and leave each device as a block of one.
+        params_in = local if per_device_params else lambda tree: tree
+        params_out = stacked if per_device_params else lambda tree: tree
+
         def step(params, state, x, y):
             # Each device differentiates the loss of its own examples; the
-            # transformation averages the gradients across devices.
+            # transformation averages the gradients (or DiLoCo's outer
+            # gradients, at a sync) across devices.
+            params = params_in(params)
             grads = jax.grad(loss_fn)(params, x, y)
             updates, state = tx.update(grads, local(state), params)
-            return optax.apply_updates(params, updates), stacked(state)
+            return params_out(optax.apply_updates(params, updates)), stacked(state)
 
         # check_vma=False: the averaged updates, hence the new parameters, are
         # the same on every device, but JAX cannot prove it for MultiSteps
@@ -150,9 +168,15 @@ class DataParallel:
                 check_vma=False,
             )  # fmt: skip
 
-        self._init = jax.jit(shard_map(lambda p: stacked(tx.init(p)), P(), P(AXIS)))
+        self._init = jax.jit(
+            shard_map(lambda p: stacked(tx.init(params_in(p))), params_spec, P(AXIS))
+        )
         self.step = jax.jit(
-            shard_map(step, (P(), P(AXIS), P(AXIS), P(AXIS)), (P(), P(AXIS))),
+            shard_map(
+                step,
+                (params_spec, P(AXIS), P(AXIS), P(AXIS)),
+                (params_spec, P(AXIS)),
+            ),
             donate_argnums=(0, 1),
         )
 
@@ -167,7 +191,14 @@ class DataParallel:
     def init(self, params: dict[str, np.ndarray]) -> tuple[Any, Any]:
         import jax
 
-        params = jax.tree.map(lambda p: self.put(p, self.replicated), params)
+        if self.per_device_params:
+            copies = len(self.mesh.devices)
+            params = jax.tree.map(
+                lambda p: self.put(np.broadcast_to(p, (copies, *p.shape)), self.split),
+                params,
+            )
+        else:
+            params = jax.tree.map(lambda p: self.put(p, self.replicated), params)
         return params, self._init(params)
 
 
@@ -178,15 +209,21 @@ def time_variant(
     import jax
 
     n = len(devices)
-    trainer = DataParallel(devices, make_optimizer(variant, LEARNING_RATE))
+    trainer = DataParallel(
+        devices,
+        make_optimizer(variant, LEARNING_RATE),
+        per_device_params=variant == "diloco32",
+    )
     params, state = trainer.init(init_mlp(TIMING_LAYERS, seed=0))
     num_params = sum(int(p.size) for p in jax.tree.leaves(params))
+    if trainer.per_device_params:
+        num_params //= n
     rng = np.random.default_rng(1)
     batch = n * TIMING_PER_DEVICE_BATCH
     x = rng.normal(size=(batch, TIMING_LAYERS[0])).astype(np.float32)
     y = rng.integers(0, TIMING_LAYERS[-1], size=(batch,)).astype(np.int32)
     x, y = trainer.put(x, trainer.split), trainer.put(y, trainer.split)
-    steps = EVERY_K if variant == "accum8" else 1
+    steps = {"accum8": EVERY_K, "diloco32": SYNC_EVERY}.get(variant, 1)
 
     start = time.perf_counter()
     params, state = trainer.step(params, state, x, y)
@@ -208,7 +245,7 @@ def time_variant(
         "ms_all": times,
         "first_call_s": compile_s,
     }
-    if variant == "accum8":
+    if steps > 1:
         result["ms_per_window"] = median
     return result
 
@@ -241,7 +278,9 @@ def train_digits(
     batch = n * DIGITS_PER_DEVICE_BATCH
     steps = updates * (EVERY_K if variant == "accum8" else 1)
     trainer = DataParallel(
-        devices, make_optimizer(variant, DIGITS_LEARNING_RATE, seed=seed)
+        devices,
+        make_optimizer(variant, DIGITS_LEARNING_RATE, seed=seed),
+        per_device_params=variant == "diloco32",
     )
     params, state = trainer.init(init_mlp(DIGITS_LAYERS, seed=seed))
     rng = np.random.default_rng(seed)
@@ -257,7 +296,13 @@ def train_digits(
         x = trainer.put(x_train[idx], trainer.split)
         y = trainer.put(y_train[idx], trainer.split)
         params, state = trainer.step(params, state, x, y)
-    host = jax.tree.map(np.asarray, params)  # replicated: fully addressable
+    if trainer.per_device_params:
+        # The anchor, the same on every device: this process' own row.
+        host = jax.tree.map(
+            lambda leaf: np.asarray(leaf.addressable_data(0))[0], state.anchor
+        )
+    else:
+        host = jax.tree.map(np.asarray, params)  # replicated: fully addressable
     seconds = time.perf_counter() - start
     predictions = np.argmax(np.asarray(logits_fn(host, x_test)), axis=-1)
     return {

@@ -161,3 +161,42 @@ def ternary_accuracy(data: dict, path: Path, where: str) -> Path:
         fontsize=10,
     )
     return _save(fig, path)
+
+
+LOW_COMMUNICATION_STYLE = {
+    "DP float32": {"color": "black", "marker": "o"},
+    "DP ternary": {"color": "gray", "marker": "s", "linestyle": "--"},
+    "DiLoCo H=8": {"color": "#9ecae1", "marker": "^"},
+    "DiLoCo H=32": {"color": "#3182bd", "marker": "^"},
+    "DiLoCo H=128": {"color": "#08306b", "marker": "^"},
+    "DiLoCo H=32 ternary": {"color": "tab:orange", "marker": "v", "linestyle": "--"},
+    "DiLoCo H=32 F=4": {"color": "tab:green", "marker": "D", "linestyle": ":"},
+}
+
+
+def low_communication(data: dict, path: Path, where: str) -> Path:
+    """Validation loss against examples seen and against bytes sent."""
+    examples = data["examples"]
+    fig, (examples_ax, bytes_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, curve in data["curves"].items():
+        style = {"markersize": 3, **LOW_COMMUNICATION_STYLE.get(name, {})}
+        examples_ax.plot(examples, curve["loss"], label=name, **style)
+        # Before its first sync a method has sent nothing: no place on a log axis.
+        sent = [(b / MIB, loss) for b, loss in zip(curve["bytes"], curve["loss"],
+                strict=True) if b > 0]  # fmt: skip
+        bytes_ax.plot(*zip(*sent, strict=True), label=name, **style)
+    unit = data.get("unit", "examples")
+    examples_ax.set_xlabel(f"{unit} seen (all devices)")
+    bytes_ax.set_xscale("log")
+    bytes_ax.set_xlabel("bytes all-reduced so far (MiB, compiled HLO x runs)")
+    for ax in (examples_ax, bytes_ax):
+        ax.set_yscale("log")
+        ax.set_ylabel(f"validation loss (mean of {data['seeds']} seeds)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"{data['model']}, {data['devices']} devices x {data['per_device_batch']} "
+        f"{unit} per step, inner {data['inner']}\n({where})",
+        fontsize=10,
+    )
+    return _save(fig, path)

@@ -1,9 +1,11 @@
-"""Step time of float32, ternary and accumulated averaging against bandwidth.
+"""Step time of float32, ternary, accumulated and DiLoCo training against bandwidth.
 
 Ternary compression (`ternary_average_across_devices`) sends about a tenth
 of the bytes of a float32 mean between 2 devices but costs compute (random
 draws, clipping, packing); gradient accumulation (`MultiSteps`, k=8) sends
-float32 once per 8 micro-steps. Which is fastest depends on the network.
+float32 once per 8 micro-steps; DiLoCo (`diloco`, H=32) sends the float32
+outer gradient once per 32 steps, each process training alone in between.
+Which is fastest depends on the network.
 This benchmark measures it, on one machine, by limiting the bandwidth of a
 loopback:
 
@@ -18,9 +20,12 @@ loopback:
 - the workers time the jitted data-parallel step (``jax.shard_map``,
   parameters replicated, batch split) of a 4.7M-parameter MLP with each
   variant: ``f32`` (`average_across_devices` + sgd), ``ternary``
-  (`ternary_average_across_devices` + sgd) and ``accum8`` (`MultiSteps` with
+  (`ternary_average_across_devices` + sgd), ``accum8`` (`MultiSteps` with
   k=8, count_skipped=True, around the float32 mean + sgd; per micro-step
-  and per window of 8). Median of ``--repeats`` after ``--warmup``;
+  and per window of 8) and ``diloco32`` (`diloco` with sgd as the inner
+  optimizer and its default outer Nesterov step, H=32, params per
+  process; per step and per cycle of 32, its sync included). Median of
+  ``--repeats`` after ``--warmup``;
 - once (unshaped: bandwidth does not change the arithmetic), the workers
   train a small MLP on scikit-learn's ``load_digits`` with each variant for
   a fixed number of updates and ``--seeds`` seeds, for the test accuracy.
@@ -64,8 +69,9 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 WORKER = HERE / "_network_worker.py"
 NUM_PROCESSES = 2
-VARIANTS = ("f32", "ternary", "accum8")
+VARIANTS = ("f32", "ternary", "accum8", "diloco32")
 EVERY_K = 8
+SYNC_EVERY = 32
 # tbf: 4 ms of traffic per burst, at least 256 KiB (loopback's GSO packets
 # reach 64 KiB, and a burst smaller than a packet would drop it), and up to
 # 100 ms of queue before drops.
@@ -340,6 +346,8 @@ def plot(points: list[dict], cross: dict, path: Path, title: str) -> None:
         "ternary": ("ternary mean", "s-", "C1"),
         "accum8": ("accum k=8, per micro-step", "^-", "C2"),
         "accum8_window": ("accum k=8, per window of 8", "^:", "C2"),
+        "diloco32": ("DiLoCo H=32, per step", "D-", "C3"),
+        "diloco32_window": ("DiLoCo H=32, per cycle of 32", "D:", "C3"),
     }
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ordered = sorted(points, key=lambda p: x_of(p["rate"]))
@@ -502,6 +510,11 @@ def main() -> None:
     for run_ in accuracy_runs:
         accuracy.setdefault(run_["variant"], []).append(run_["accuracy"])
     cross = crossover(points)
+    versus_f32 = {
+        p["label"]: p["ms"]["diloco32"] / p["ms"]["f32"]
+        for p in points
+        if {"diloco32", "f32"} <= p["ms"].keys()
+    }
     num_params = next((r["num_params"] for p in points for r in p["runs"]), None)
     title = (
         f"2 processes x 1 CPU device, gloo, {num_params or '?'} params; "
@@ -512,6 +525,8 @@ def main() -> None:
     print()
     where = "none" if cross["gbit"] is None else f"{cross['gbit']:.3g} Gbit/s"
     print(f"crossover: {where} ({cross['note']})")
+    for label, ratio in versus_f32.items():
+        print(f"diloco32 / f32 step time at {label}: {ratio:.3f}")
     print(f"total: {time.monotonic() - started:.0f} s")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -530,6 +545,8 @@ def main() -> None:
         },
         "num_params": num_params,
         "every_k": EVERY_K,
+        "sync_every": SYNC_EVERY,
+        "diloco32_vs_f32": versus_f32,
         # JSON has no infinity: the unlimited rate is written as null.
         "points": [
             {**p, "rate": None if math.isinf(p["rate"]) else p["rate"]} for p in points

@@ -14,7 +14,10 @@ and how that grows, into ``benchmarks/plots/``:
 - ``wire_bytes.png``: all-reduce bytes of a float32 and a ternary mean
   against device count;
 - ``ternary_accuracy.png``: test accuracy against steps, ternary and
-  float32.
+  float32;
+- ``low_communication.png`` (and its figures, ``low_communication.json``):
+  validation loss against examples seen and against bytes all-reduced,
+  data parallel (float32, ternary) and DiLoCo.
 
 Run: ``python benchmarks/run_all.py [--quick] [--plots DIR]``
 """
@@ -45,6 +48,12 @@ BENCHMARKS = (
     ("bench_sharded.py", [], ["--repeats", "2"]),
     ("bench_wire_bytes.py", [], []),
     ("bench_ternary_curve.py", [], ["--seeds", "1", "--epochs", "1,2,5"]),
+    # Its plot is drawn below, into --plots, like the others.
+    (
+        "bench_low_communication.py",
+        ["--plot-dir", ""],
+        ["--plot-dir", "", "--steps", "128", "--seeds", "1"],
+    ),
 )
 
 
@@ -102,6 +111,11 @@ def draw(results: dict[str, dict], out: Path, where: str) -> list[Path]:
     import _plots
 
     accumulation = results["bench_accumulation.py"]["data"]
+    # The figures behind the low-communication plot go next to it.
+    low_communication = results["bench_low_communication.py"]["data"]
+    figures_path = out / "low_communication.json"
+    out.mkdir(parents=True, exist_ok=True)
+    figures_path.write_text(json.dumps(low_communication, indent=1) + "\n")
     return [
         _plots.accumulation_vs_params(
             accumulation["sweep_params"], out / "accumulation_params.png", where
@@ -120,6 +134,10 @@ def draw(results: dict[str, dict], out: Path, where: str) -> list[Path]:
             out / "ternary_accuracy.png",
             where,
         ),
+        _plots.low_communication(
+            low_communication, out / "low_communication.png", where
+        ),
+        figures_path,
     ]
 
 

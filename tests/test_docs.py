@@ -86,6 +86,7 @@ def test_every_page_is_built(html):
         "guides/checkpoints",
         "guides/frameworks",
         "api_summary",
+        "guides/low_communication",
     ):
         assert (html / f"{page}.html").is_file(), page
     assert "Unreleased" in (html / "changelog.html").read_text()

@@ -45,6 +45,7 @@ def test_there_are_notebooks():
         "04_microbatching.ipynb",
         "05_noise_scale.ipynb",
         "06_transformer_lm.ipynb",
+        "07_low_communication.ipynb",
     ]
 
 

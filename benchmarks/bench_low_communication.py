@@ -1,0 +1,465 @@
+"""Validation loss against examples seen and bytes sent: DiLoCo and friends.
+
+Each method trains the digits MLP of ``gradaccum_jax.demo`` (its data split,
+model, initialization and loss, imported from it) on 8 emulated CPU
+devices, every device drawing its own 16 examples per step, for the same
+number of steps from the same initial parameters: every method sees the
+same examples. Methods:
+
+- ``DP float32``: data parallel, the gradients averaged every step with
+  `average_across_devices`, then the inner optimizer;
+- ``DP ternary``: the same with `ternary_average_across_devices` (packed
+  ternary codes on the wire, error feedback);
+- ``DiLoCo H=8/32/128``: `diloco` (Douillard et al. 2023,
+  arXiv 2311.08105): each device applies the inner optimizer to its own
+  gradients; every H steps the outer gradient (anchor - device params) is
+  averaged over devices and the outer optimizer (Nesterov SGD) steps the
+  anchor, from which every device restarts;
+- ``DiLoCo H=32 ternary``: the outer gradients sent as ternary codes with
+  error feedback;
+- ``DiLoCo H=32 F=4``: Streaming DiLoCo's fragments (arXiv 2501.18512):
+  the parameters in 4 fragments, each synchronized every H steps, their
+  syncs staggered.
+
+The inner optimizer is the same everywhere: AdamW (the paper's inner
+optimizer), ``--lr`` 2e-3 (the better of 1e-3 and 2e-3 for data parallel),
+weight decay 0.1. The outer one is Nesterov SGD with ``--outer-lr`` 0.5 and
+``--outer-momentum`` 0.8 (the paper's 0.7 and 0.9, `diloco`'s default, were
+tuned for hundreds of outer steps; see ``OUTER_LR``). Validation loss (the demo's
+20 % held-out split) of the global model, every 32 steps, is the mean over
+``--seeds`` seeds of initialization and data order; DiLoCo is evaluated on
+the anchor, which every worker holds after a sync.
+
+Bytes are read from the compiled HLO of one pmapped train step with
+`gradaccum_jax.all_reduces`, not computed on paper: an all-reduce in the
+entry computation runs on every step, one inside a while loop's body (the
+sync, which runs in a loop of zero or one trip) once per sync; bytes sent
+are each all-reduce's buffer times the number of times it runs.
+
+It prints a table (validation loss at the end, that is at equal examples,
+its ratio to DP float32, total bytes and their ratio to DP float32) and
+writes the curves to ``benchmarks/plots/low_communication.png`` and the
+figures to ``benchmarks/plots/low_communication.json``.
+
+``--task transformer`` trains the small transformer LM of
+``examples/transformer_lm.py`` instead (its corpus, model and masked loss;
+4 sequences of 32 tokens per device and step, AdamW lr 3e-3 at a constant
+rate) and writes ``low_communication_transformer.png`` / ``.json``.
+
+Run: ``python benchmarks/bench_low_communication.py [--steps 512]
+[--seeds 4] [--lr 2e-3] [--task digits|transformer] [--only "DP float32,
+DiLoCo H=32"]``
+"""
+
+from __future__ import annotations
+
+import os
+
+# 8 emulated devices; XLA reads the flag once, before jax is imported.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import _headline  # noqa: E402
+import gradaccum_jax as ga  # noqa: E402
+from gradaccum_jax import demo  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+AXIS = "workers"
+NUM_DEVICES = 8
+PER_DEVICE_BATCH = 16
+HIDDEN = 256
+EVAL_EVERY = 32  # steps; a multiple of every H but 128
+WEIGHT_DECAY = 0.1
+# Nesterov SGD as in the paper, gentler than its lr 0.7 / momentum 0.9 (which
+# `diloco` defaults to): those were tuned for hundreds of outer steps, and a
+# 512-step run at H=32 takes 16. Chosen on seeds 0-3 among (0.7, 0.9),
+# (0.5, 0.8), (0.7, 0.5) and (1.0, 0) (plain averaging).
+OUTER_LR, OUTER_MOMENTUM = 0.5, 0.8
+TERNARY_SEED = 0
+TARGET_LOSS_RATIO = 1.02  # DiLoCo H=32 at equal examples, within 2 % of DP
+TARGET_BYTES_RATIO = 1 / 30  # with at least 30x fewer bytes
+
+
+class Method(NamedTuple):
+    """One way of training: its optimizer, how to read the global model,
+    and how many times its sync loop runs in ``steps`` steps."""
+
+    name: str
+    optimizer: Callable[[], optax.GradientTransformation]
+    global_params: Callable[[Any, Any], Any]  # (params, state) -> params
+    syncs: Callable[[int], int]  # steps -> executions of the loop body
+
+
+def _params_as_is(params, state):
+    del state
+    return params
+
+
+def methods(
+    learning_rate: float,
+    outer_lr: float = OUTER_LR,
+    outer_momentum: float = OUTER_MOMENTUM,
+) -> list[Method]:
+    def inner():
+        return optax.adamw(learning_rate, weight_decay=WEIGHT_DECAY)
+
+    def outer():
+        return optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)
+
+    def data_parallel(averaging):
+        return lambda: optax.chain(averaging, inner())
+
+    def diloco_method(name, sync_every, **kwargs):
+        return Method(
+            name,
+            lambda: ga.diloco(
+                inner(), sync_every, outer=outer(), axis_name=AXIS, **kwargs
+            ),
+            _diloco_global_params,
+            lambda steps: _diloco_syncs(steps, sync_every, kwargs.get("fragments", 1)),
+        )
+
+    return [
+        Method(
+            "DP float32",
+            data_parallel(ga.average_across_devices(AXIS)),
+            _params_as_is,
+            lambda steps: 0,
+        ),
+        Method(
+            "DP ternary",
+            data_parallel(ga.ternary_average_across_devices(AXIS, TERNARY_SEED)),
+            _params_as_is,
+            lambda steps: 0,
+        ),
+        diloco_method("DiLoCo H=8", 8),
+        diloco_method("DiLoCo H=32", 32),
+        diloco_method("DiLoCo H=128", 128),
+        diloco_method(
+            "DiLoCo H=32 ternary", 32, outer_reduction=_ternary_outer_reduction()
+        ),
+        diloco_method("DiLoCo H=32 F=4", 32, fragments=4),
+    ]
+
+
+def _diloco_global_params(params, state):
+    del params  # a worker's own, drifted since the last sync
+    return ga.anchor_params(state)
+
+
+def _diloco_syncs(steps: int, sync_every: int, fragments: int) -> int:
+    """How many times each fragment's sync loop runs in ``steps`` steps.
+
+    Fragment f syncs at step ``(f + 1) * H // F`` of every H-step cycle
+    (`diloco`'s docstring); at a multiple of H each has run ``steps // H``
+    times, and every evaluation point is a multiple of H but for H=128,
+    whose single fragment syncs at the end of its cycle.
+    """
+    del fragments
+    return steps // sync_every
+
+
+def _ternary_outer_reduction():
+    return ga.ternary_average_across_devices(AXIS, TERNARY_SEED)
+
+
+class Task(NamedTuple):
+    """What is trained: the data, the model's initial params and its loss."""
+
+    name: str
+    train: tuple[np.ndarray, ...]  # arrays indexed by example on axis 0
+    val: tuple[np.ndarray, ...]
+    init: Callable[[int], Any]  # seed -> params
+    loss: Callable[..., jax.Array]  # loss(params, *examples) -> scalar
+    per_device_batch: int
+    learning_rate: float  # the inner AdamW's, unless --lr says otherwise
+    unit: str  # what one example is, for the tables and plots
+
+
+def digits_task() -> Task:
+    """The MLP of ``gradaccum_jax.demo`` on its digits split."""
+    x_train, y_train, x_val, y_val = demo.load_digits(0)
+    sizes = (x_train.shape[1], HIDDEN, HIDDEN, 10)
+    return Task(
+        f"digits MLP {sizes}",
+        (x_train, y_train),
+        (x_val, y_val),
+        lambda seed: demo.init_mlp(jax.random.key(seed), sizes),
+        demo.loss_fn,
+        PER_DEVICE_BATCH,
+        2e-3,
+        "examples",
+    )
+
+
+def transformer_task() -> Task:
+    """The small transformer LM of ``examples/transformer_lm.py``."""
+    spec = importlib.util.spec_from_file_location(
+        "transformer_lm", HERE.parent / "examples" / "transformer_lm.py"
+    )
+    lm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = lm  # its dataclasses look their module up
+    spec.loader.exec_module(lm)
+    cfg = lm.CONFIGS["small"]
+    corpus = lm.load_corpus(cfg)
+    graphdef, _ = lm.init_model(cfg)
+    masked_mean = lm.make_loss(graphdef)  # (mean over valid tokens, count)
+    return Task(
+        f"transformer LM (small: d={cfg.d_model}, {cfg.n_layers} layers, "
+        f"{cfg.seq_len} tokens)",
+        (corpus.train_tokens, corpus.train_mask),
+        (corpus.val_tokens, corpus.val_mask),
+        lambda seed: lm.init_model(dataclasses.replace(cfg, seed=seed))[1],
+        lambda params, tokens, mask: masked_mean(params, tokens, mask)[0],
+        cfg.batch // NUM_DEVICES,
+        cfg.learning_rate,
+        "sequences",
+    )
+
+
+TASKS = {"digits": digits_task, "transformer": transformer_task}
+
+
+def batch_indices(
+    seeds: list[int], num_train: int, steps: int, per_device: int
+) -> np.ndarray:
+    """(devices, seeds, steps, per-device batch) example indices.
+
+    A fresh permutation of the training set per epoch of global batches,
+    as in ``demo.batches``; each device takes its own slice of each.
+    """
+    global_batch = NUM_DEVICES * per_device
+    per_epoch = num_train // global_batch
+    epochs = -(-steps // per_epoch)
+    out = []
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        order = [rng.permutation(num_train)[: per_epoch * global_batch]
+                 for _ in range(epochs)]  # fmt: skip
+        out.append(np.concatenate(order).reshape(-1, global_batch)[:steps])
+    indices = np.stack(out).reshape(len(seeds), steps, NUM_DEVICES, per_device)
+    return indices.transpose(2, 0, 1, 3)
+
+
+def train_step(tx: optax.GradientTransformation, task: Task, train):
+    """One device's step: its gradient, then ``tx`` (which talks to the rest)."""
+
+    def step(params, state, indices):
+        grads = jax.grad(task.loss)(params, *(a[indices] for a in train))
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def validation_curves(method: Method, task: Task, seeds: list[int], steps: int):
+    """Validation loss every EVAL_EVERY steps, (seeds, evaluations)."""
+    train = tuple(jnp.asarray(a) for a in task.train)
+    val = tuple(jnp.asarray(a) for a in task.val)
+    tx = method.optimizer()
+    step = train_step(tx, task, train)
+
+    def train_one(params, indices):
+        def chunk(carry, chunk_indices):
+            carry, _ = jax.lax.scan(
+                lambda c, i: (step(*c, i), None), carry, chunk_indices
+            )
+            evaluated = method.global_params(*carry)
+            return carry, task.loss(evaluated, *val)
+
+        chunks = indices.reshape(steps // EVAL_EVERY, EVAL_EVERY, -1)
+        _, losses = jax.lax.scan(chunk, (params, tx.init(params)), chunks)
+        return losses
+
+    indices = batch_indices(seeds, len(task.train[0]), steps, task.per_device_batch)
+    # Every device starts from the same params (one set per seed).
+    initial = jax.tree.map(lambda *p: jnp.stack(p), *(task.init(s) for s in seeds))
+    run = jax.pmap(jax.vmap(train_one), axis_name=AXIS, in_axes=(None, 0))
+    # Every device evaluates the same global model: device 0's figures.
+    return np.asarray(run(initial, jnp.asarray(indices))[0])
+
+
+def step_all_reduces(method: Method, task: Task) -> list[ga.AllReduce]:
+    """The all-reduces of one compiled pmapped train step of ``method``."""
+    train = tuple(jnp.asarray(a) for a in task.train)
+    tx = method.optimizer()
+    params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), task.init(0)
+    )
+    state = jax.eval_shape(tx.init, params)
+
+    def per_device(tree):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((NUM_DEVICES, *a.shape), a.dtype), tree
+        )
+
+    indices = jax.ShapeDtypeStruct((NUM_DEVICES, task.per_device_batch), jnp.int32)
+    step = jax.pmap(train_step(tx, task, train), axis_name=AXIS)
+    compiled = step.lower(per_device(params), per_device(state), indices).compile()
+    return ga.all_reduces(compiled)
+
+
+def bytes_sent(reductions: list[ga.AllReduce], steps: int, syncs: int) -> int:
+    """Bytes the all-reduces carry in ``steps`` steps with ``syncs`` syncs."""
+    runs = {"entry": steps, "while-body": syncs}
+    unexpected = [r for r in reductions if r.place not in runs]
+    if unexpected:
+        raise ValueError(f"all-reduces outside the entry or a loop: {unexpected}")
+    return sum(r.nbytes * runs[r.place] for r in reductions)
+
+
+def measure(task: Task, chosen: list[Method], seeds: list[int], steps: int) -> dict:
+    """Each method's validation curve and bytes, as the record's ``curves``."""
+    evals = np.arange(1, steps // EVAL_EVERY + 1) * EVAL_EVERY
+    curves = {}
+    for method in chosen:
+        t0 = time.time()
+        losses = validation_curves(method, task, seeds, steps)
+        reductions = step_all_reduces(method, task)
+        curves[method.name] = {
+            "loss": losses.mean(0).tolist(),
+            "loss_per_seed": losses[:, -1].tolist(),
+            "bytes": [
+                bytes_sent(reductions, int(e), method.syncs(int(e))) for e in evals
+            ],
+            "all_reduces": [r._asdict() for r in reductions],
+            "syncs": method.syncs(steps),
+            "seconds": time.time() - t0,
+        }
+        print(
+            f"# {method.name}: final loss {curves[method.name]['loss'][-1]:.4f}, "
+            f"{curves[method.name]['bytes'][-1] / 2**20:.2f} MiB "
+            f"({time.time() - t0:.0f} s)",
+            flush=True,
+        )
+    return curves
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="digits")
+    parser.add_argument("--steps", type=int, default=512)
+    parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument(
+        "--lr", type=float, help="inner AdamW lr (default: 2e-3 digits, 3e-3 LM)"
+    )
+    parser.add_argument("--outer-lr", type=float, default=OUTER_LR)
+    parser.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM)
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first-seed, first-seed+1, ..."
+    )
+    parser.add_argument(
+        "--only", default="", help="comma-separated method names (default: all)"
+    )
+    parser.add_argument(
+        "--plot-dir",
+        default=str(HERE / "plots"),
+        help="where low_communication[_transformer].png and .json go ('' to skip)",
+    )
+    _headline.add_argument(parser)
+    args = parser.parse_args()
+    if args.steps % 128:
+        parser.error("--steps must be a multiple of 128 (the largest H)")
+    start = time.time()
+    task = TASKS[args.task]()
+    learning_rate = task.learning_rate if args.lr is None else args.lr
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    chosen = [m for m in methods(learning_rate, args.outer_lr, args.outer_momentum)
+              if not args.only or m.name in args.only.split(",")]  # fmt: skip
+    curves = measure(task, chosen, seeds, args.steps)
+    global_batch = NUM_DEVICES * task.per_device_batch
+    record = {
+        "model": task.name,
+        "num_params": int(sum(np.size(a) for a in jax.tree.leaves(task.init(0)))),
+        "devices": NUM_DEVICES,
+        "per_device_batch": task.per_device_batch,
+        "unit": task.unit,
+        "inner": f"adamw lr {learning_rate:g} wd {WEIGHT_DECAY}",
+        "outer": f"Nesterov SGD lr {args.outer_lr:g} momentum {args.outer_momentum:g}",
+        "steps": args.steps,
+        "seeds": len(seeds),
+        "examples": [
+            e * global_batch for e in range(EVAL_EVERY, args.steps + 1, EVAL_EVERY)
+        ],
+        "curves": curves,
+    }
+    print(table(record))
+    print(f"\n({time.time() - start:.0f} s)")
+    figures = {}
+    if {"DP float32", "DiLoCo H=32"} <= curves.keys():
+        base, h32 = curves["DP float32"], curves["DiLoCo H=32"]
+        figures = {
+            "loss at equal examples, DiLoCo H=32 / DP float32": (
+                h32["loss"][-1] / base["loss"][-1],
+                TARGET_LOSS_RATIO,
+            ),
+            "bytes, DiLoCo H=32 / DP float32": (
+                h32["bytes"][-1] / base["bytes"][-1],
+                TARGET_BYTES_RATIO,
+            ),
+        }
+    _headline.write(args.json, f"low communication, {args.task}", figures, record)
+    if args.plot_dir:
+        where = f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores"
+        stem = "low_communication" + ("" if args.task == "digits" else "_" + args.task)
+        for path in write_figures(record, Path(args.plot_dir), where, stem):
+            print(f"wrote {path}")
+
+
+def write_figures(
+    record: dict, out: Path, where: str, stem: str = "low_communication"
+) -> list[Path]:
+    """``<stem>.png`` (the curves) and ``<stem>.json`` (the figures)."""
+    import _plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"{stem}.json"
+    json_path.write_text(json.dumps(record, indent=1) + "\n")
+    return [_plots.low_communication(record, out / f"{stem}.png", where), json_path]
+
+
+def table(record: dict) -> str:
+    curves = record["curves"]
+    base = curves.get("DP float32")
+    lines = [
+        f"# {record['model']} ({record['num_params']} params), "
+        f"{record['devices']} devices x {record['per_device_batch']} "
+        f"{record['unit']}, {record['steps']} steps ({record['examples'][-1]} "
+        f"{record['unit']}), inner "
+        f"{record['inner']}, DiLoCo outer: {record['outer']}; validation loss "
+        f"mean of {record['seeds']} seeds\n",
+        "| method | val loss at equal examples | vs DP float32 | seeds "
+        "| all-reduce bytes | vs DP float32 |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for name, curve in curves.items():
+        loss, sent = curve["loss"][-1], curve["bytes"][-1]
+        loss_ratio = f"{loss / base['loss'][-1]:.3f}" if base else "-"
+        bytes_ratio = f"1/{base['bytes'][-1] / sent:.1f}" if base and sent else "-"
+        lines.append(
+            f"| {name} | {loss:.4f} | {loss_ratio} "
+            f"| {', '.join(f'{v:.4f}' for v in curve['loss_per_seed'])} "
+            f"| {sent / 2**20:.1f} MiB | {bytes_ratio} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
