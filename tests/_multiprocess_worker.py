@@ -53,6 +53,14 @@ DILOCO_KIND = "diloco"
 DILOCO_SYNC_EVERY = 4
 
 
+def _global_array(host, sharding):
+    """A global array of ``host``'s values, each process placing its shards."""
+    import jax  # after the flags are set, as in every function here
+
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def make_data(seed: int = 0, micro_steps: int = MICRO_STEPS) -> dict[str, np.ndarray]:
     """Micro-batches for all devices, shaped (micro_steps, NUM_DEVICES, ...).
 
@@ -133,10 +141,7 @@ def train(devices: list[Any], kind: str) -> dict[str, np.ndarray]:
         return jax.tree.map(lambda leaf: leaf[None], tree)
 
     def global_array(host):
-        host = np.asarray(host)
-        return jax.make_array_from_callback(
-            host.shape, per_device, lambda index: host[index]
-        )
+        return _global_array(host, per_device)
 
     def step(params, state, x, y, mask):
         params, state, x, y, mask = local((params, state, x, y, mask))
@@ -251,12 +256,6 @@ def train_jit(
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P(JIT_AXIS))
 
-    def global_array(host, sharding):
-        host = np.asarray(host)
-        return jax.make_array_from_callback(
-            host.shape, sharding, lambda index: host[index]
-        )
-
     opt = ga.MultiSteps(optax.adam(1e-2), EVERY_K, unreduced_axes=JIT_AXIS)
     grad_fn = ga.local_value_and_grad(weighted_loss, JIT_AXIS, has_weight=True)
 
@@ -270,7 +269,8 @@ def train_jit(
         step = jax.jit(step)
         reduce_window = jax.jit(opt.reduce_window)
         params = {
-            name: global_array(leaf, replicated) for name, leaf in init_params().items()
+            name: _global_array(leaf, replicated)
+            for name, leaf in init_params().items()
         }
         state = jax.jit(opt.init)(params)
         start = 0
@@ -284,12 +284,12 @@ def train_jit(
             ]
             assert len(keys) == len(leaves) and sorted(keys) == sorted(saved)
             params, state = jax.tree.unflatten(
-                treedef, [global_array(saved[key], replicated) for key in keys]
+                treedef, [_global_array(saved[key], replicated) for key in keys]
             )
         for i in range(start, JIT_MICRO_STEPS):
             batch = {
                 # (devices, per-device batch, ...) -> one global batch.
-                name: global_array(
+                name: _global_array(
                     value[i].reshape(-1, *value.shape[3:]), batch_sharding
                 )
                 for name, value in data.items()
@@ -326,12 +326,6 @@ def train_diloco(devices: list[Any]) -> dict[str, np.ndarray]:
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P(JIT_AXIS))
 
-    def global_array(host, sharding):
-        host = np.asarray(host)
-        return jax.make_array_from_callback(
-            host.shape, sharding, lambda index: host[index]
-        )
-
     opt = ga.diloco(
         optax.adam(1e-2), DILOCO_SYNC_EVERY, axis_name=JIT_AXIS, fragments=2
     )
@@ -346,13 +340,14 @@ def train_diloco(devices: list[Any]) -> dict[str, np.ndarray]:
     with jax.set_mesh(mesh):
         step = jax.jit(step, donate_argnums=(0, 1))
         params = {
-            name: global_array(leaf, replicated) for name, leaf in init_params().items()
+            name: _global_array(leaf, replicated)
+            for name, leaf in init_params().items()
         }
         state = ga.stack_workers(jax.jit(opt.init)(params), JIT_AXIS)
         params = ga.stack_workers(params, JIT_AXIS)
         for i in range(MICRO_STEPS):
             batch = {
-                name: global_array(
+                name: _global_array(
                     value[i].reshape(-1, *value.shape[3:]), batch_sharding
                 )
                 for name, value in data.items()

@@ -150,6 +150,19 @@ def _relative_error(have: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(have - want), initial=0.0)) / scale
 
 
+def _assert_results_match(got, expected, tolerance, context):
+    """Same leaves, shapes and dtypes; integers equal, floats within ``tolerance``."""
+    assert sorted(got) == sorted(expected)
+    for name, want in expected.items():
+        have = got[name]
+        assert (have.shape, have.dtype) == (want.shape, want.dtype), name
+        if not np.issubdtype(want.dtype, np.floating):
+            np.testing.assert_array_equal(have, want, err_msg=name)
+            continue
+        error = _relative_error(have, want)
+        assert error <= tolerance, (*context, name, error)
+
+
 @functools.cache
 def _single_process(kind: str) -> dict[str, np.ndarray]:
     return worker.train(jax.devices()[: worker.NUM_DEVICES], kind)
@@ -171,18 +184,10 @@ def test_two_processes_match_one_process_with_8_devices(kind, tmp_path):
 
     for i in range(NUM_PROCESSES):
         got = _results(tmp_path, kind, i)
-        assert sorted(got) == sorted(expected)
         for name in ("[0]['b']", "[0]['w']"):  # replicas bitwise in sync
             for device in range(1, worker.NUM_DEVICES):
                 np.testing.assert_array_equal(got[name][device], got[name][0])
-        for name, want in expected.items():
-            have = got[name]
-            assert (have.shape, have.dtype) == (want.shape, want.dtype), name
-            if not np.issubdtype(want.dtype, np.floating):
-                np.testing.assert_array_equal(have, want, err_msg=f"{kind} {name}")
-                continue
-            error = _relative_error(have, want)
-            assert error <= TOLERANCE[kind], (kind, i, name, error)
+        _assert_results_match(got, expected, TOLERANCE[kind], context=(kind, i))
 
 
 @pytest.mark.parametrize("kind", worker.KINDS)
@@ -227,15 +232,8 @@ def test_diloco_two_processes_match_one_process_with_8_devices(tmp_path):
 
     for i in range(NUM_PROCESSES):
         got = _results(tmp_path, worker.DILOCO_KIND, i)
-        assert sorted(got) == sorted(expected)
-        for name, want in expected.items():
-            have = got[name]
-            assert (have.shape, have.dtype) == (want.shape, want.dtype), name
-            if not np.issubdtype(want.dtype, np.floating):
-                np.testing.assert_array_equal(have, want, err_msg=name)
-                continue
-            # Measured: 1.2e-7 (the outer momentum), params 1.0e-7.
-            assert _relative_error(have, want) <= 1e-6, (i, name)
+        # Measured: 1.2e-7 (the outer momentum), params 1.0e-7.
+        _assert_results_match(got, expected, 1e-6, context=(i,))
 
 
 # --- the jax.jit path ---------------------------------------------------------
@@ -276,15 +274,7 @@ def test_jit_two_processes_match_one_process_with_8_devices(jit_run, mesh_kind):
             for key, value in _results(jit_run, "jit", i).items()
             if key.startswith(f"{mesh_kind}:")
         }
-        assert sorted(got) == sorted(expected)
-        for name, want in expected.items():
-            have = got[name]
-            assert (have.shape, have.dtype) == (want.shape, want.dtype), name
-            if not np.issubdtype(want.dtype, np.floating):
-                np.testing.assert_array_equal(have, want, err_msg=name)
-                continue
-            error = _relative_error(have, want)
-            assert error <= JIT_TOLERANCE, (mesh_kind, i, name, error)
+        _assert_results_match(got, expected, JIT_TOLERANCE, context=(mesh_kind, i))
 
 
 # The preempted run is killed after this many micro-steps: mid-window

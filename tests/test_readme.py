@@ -28,9 +28,6 @@ DOCS_PAGES = sorted(
     [*(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "guides").glob("*.md")]
 )
 API_TABLE_PAGE = ROOT / "docs" / "api_summary.md"
-# Linked from the README ahead of the branch that adds them (the DiLoCo
-# guide); drop each entry once the file is in the tree.
-PENDING_LINK_TARGETS = {"docs/guides/low_communication.md"}
 RUN_TIMEOUT_S = 240
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
@@ -137,9 +134,7 @@ def readme_link_targets() -> list[str]:
 
 def test_readme_links_lead_to_files_in_the_repository():
     missing = [
-        target
-        for target in readme_link_targets()
-        if target not in PENDING_LINK_TARGETS and not (ROOT / target).exists()
+        target for target in readme_link_targets() if not (ROOT / target).exists()
     ]
     assert missing == []
 
