@@ -22,6 +22,7 @@ fused float all-reduce); a `WindowReduction` (e.g.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -127,7 +128,7 @@ class NoTerms(TermsLayout):
         return "NoTerms()"
 
 
-class DeviceTerms(TermsLayout):
+class DeviceTerms(TermsLayout, abc.ABC):
     """What the two layouts with per-device terms share."""
 
     # The partition spec of terms, and whether a device's own term is a
@@ -145,9 +146,9 @@ class DeviceTerms(TermsLayout):
 
         return run
 
+    @abc.abstractmethod
     def from_stacked(self, terms: Any) -> Any:
         """Terms stacked on a leading device axis, in this layout."""
-        raise NotImplementedError
 
     def device_count(self) -> int:
         """The number of devices over the layout's axes."""

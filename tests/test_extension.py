@@ -10,9 +10,10 @@ own part"); they use nothing but public names of ``gradaccum_jax`` and the
 * `window_norm_statistic`: the squared norm of each closed window's mean
   gradient, and the number of weighted (device) micro-batches it held.
 
-Each runs on one device and with per-device terms on 1-D Explicit and Auto
-meshes and a 2-D ``data`` x ``model`` Explicit mesh with tensor-parallel
-params, and must give the numbers computed directly.
+The statistic runs on whole gradients (float32 and bfloat16 params, FSDP and
+tensor-parallel params on a 2-D ``data`` x ``model`` mesh), and both run
+with per-device terms on 1-D Explicit and Auto meshes and the 2-D mesh with
+tensor-parallel params; each must give the numbers computed directly.
 """
 
 from __future__ import annotations
@@ -113,24 +114,48 @@ def _expected(params, batches):
     return jax.tree.map(lambda m: -np.asarray(m), mean), sq
 
 
-def test_toy_statistic_on_one_device():
-    params = _params()
+# Whole gradients (no ``unreduced_axes``): params replicated on one device,
+# in bfloat16, and FSDP / tensor-parallel on a 2-D data x model mesh, where
+# the gradients jax.grad returns are sharded like the params.
+WHOLE = {
+    "float32": (jnp.float32, None),
+    "bfloat16": (jnp.bfloat16, None),
+    "2d-fsdp": (jnp.float32, {"w": P("data", None), "b": P("data")}),
+    "2d-tp": (jnp.float32, {"w": P(None, "model"), "b": P("model")}),
+}
+
+
+@pytest.mark.parametrize("dtype, specs", WHOLE.values(), ids=WHOLE.keys())
+def test_toy_statistic_on_whole_gradients(dtype, specs):
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     batches = _batches(K)
-    opt = ga.MultiSteps(optax.sgd(1.0), K, statistics=[window_norm_statistic()])
-    state = opt.init(params)
-    step = jax.jit(opt.update)
-    for x in batches:
-        updates, state = step(jax.grad(_loss)(params, x), state, params)
-    expected_updates, expected_sq = _expected(params, batches)
+    expected_updates, expected_sq = _expected(_params(), batches)
+    with jax.set_mesh(mesh):
+        params = jax.tree.map(lambda p: p.astype(dtype), _params())
+        if specs is not None:
+            params = jax.tree.map(reshard, params, specs)
+        opt = ga.MultiSteps(optax.sgd(1.0), K, statistics=[window_norm_statistic()])
+        state = opt.init(params)
+        step = jax.jit(opt.update)
+        for x in batches:
+            grads = jax.jit(jax.grad(_loss))(params, jnp.asarray(x, dtype))
+            updates, state = step(grads, state, params)
     (stat,) = state.statistics
-    np.testing.assert_allclose(float(stat.last_sq_norm), expected_sq, rtol=1e-5)
+    tolerance = 1e-5 if dtype == jnp.float32 else 5e-2
+    np.testing.assert_allclose(float(stat.last_sq_norm), expected_sq, rtol=tolerance)
     assert float(stat.last_micro_batches) == K
     assert float(stat.micro_batches) == 0  # emptied for the next window
-    jax.tree.map(
-        lambda u, e: np.testing.assert_allclose(u, e, rtol=1e-5, atol=1e-7),
-        updates,
-        expected_updates,
-    )
+    for u, p, e in zip(
+        jax.tree.leaves(updates),
+        jax.tree.leaves(params),
+        jax.tree.leaves(expected_updates),
+        strict=True,
+    ):
+        assert u.dtype == dtype
+        assert jax.typeof(u).sharding.spec == jax.typeof(p).sharding.spec
+        np.testing.assert_allclose(
+            np.asarray(u, np.float32), e, rtol=tolerance, atol=tolerance * 1e-2
+        )
 
 
 MESHES = {

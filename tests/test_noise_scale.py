@@ -661,10 +661,14 @@ def test_sampled_per_device_terms_are_the_drawn_micro_batchs(mesh_name, weighted
     runs = {name: _per_device_run(m, weighted, name) for name in ("all", "sampled")}
     mesh = jax.make_mesh(shape, axes, axis_types=(axis_type,) * len(axes))
     with jax.set_mesh(mesh):
-        # Replicated: per-device terms of tensor-parallel params do not go
-        # through `_partials.map_terms` (its unreduced shard_map must be
-        # fully manual), with either estimator.
-        params = jax.device_put(host_params, P())
+        # On the 2-D mesh the output layer is tensor-parallel over `model`:
+        # each device's term of it is gathered whole before its squared norm.
+        specs = (
+            {"w1": P(), "w2": P(None, "model")}
+            if "model" in axes
+            else {"w1": P(), "w2": P()}
+        )
+        params = jax.tree.map(jax.device_put, host_params, specs)
         states = {name: jax.jit(run[0].init)(params) for name, run in runs.items()}
         for window in range(windows):
             slot = int(sampled_slot(window, m))

@@ -129,17 +129,6 @@ def check_updates(
             )
 
 
-def unzip(reference: Any, pairs: Any) -> tuple[Any, Any]:
-    """Splits a tree of pairs, one per leaf of ``reference``, into two trees.
-
-    Unlike ``jax.tree.transpose`` it allows a node with no leaves
-    (`NoResidual`, ``optax.MaskedNode()``) in either half.
-    """
-    first = jax.tree.map(lambda _, pair: pair[0], reference, pairs)
-    second = jax.tree.map(lambda _, pair: pair[1], reference, pairs)
-    return first, second
-
-
 def is_compressed(leaf: Any, min_size: int) -> bool:
     """Whether a leaf is ternarized (static: from its shape only)."""
     return np.size(leaf) >= max(min_size, 1)
