@@ -53,10 +53,10 @@ def init_state(
     """A fresh state: the anchor is a copy of ``params``, nothing seen yet."""
     leaves = jax.tree.leaves(params)
     outer_states, reduction_states = [], []
-    for group in groups:
+    for index, group in enumerate(groups):
         fragment = [wide(leaves[i]) for i in group]
         outer_states.append(outer.init(fragment))
-        reduction_states.append(reduction_init(reduction, fragment))
+        reduction_states.append(reduction_init(reduction, fragment, index))
     # A copy, not the params themselves: a donated train step would hand
     # the anchor's buffers to the new params otherwise.
     anchor = jax.tree.map(jnp.copy, params)

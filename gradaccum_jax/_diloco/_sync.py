@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gradaccum_jax._ternary._error_feedback import with_own_stream
+
 
 def wide(leaf: jax.Array) -> jax.Array:
     """``leaf`` in at least float32: the outer step's arithmetic."""
@@ -100,9 +102,13 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
 
 
 def reduction_init(
-    reduction: optax.GradientTransformation | None, fragment: list[Any]
+    reduction: optax.GradientTransformation | None, fragment: list[Any], index: int
 ) -> Any:
-    """The reduction's state over a fragment's float32 leaves and the presence leaf."""
+    """The reduction's state over fragment ``index``'s float32 leaves and the
+    presence leaf; a ternary reduction's random bits are the fragment's own."""
     if reduction is None:
         return optax.EmptyState()
-    return reduction.init([*fragment, jnp.ones([], jnp.float32)])
+    state = reduction.init([*fragment, jnp.ones([], jnp.float32)])
+    # Fragment 0 keeps the seed as given: with one fragment, the state is
+    # the reduction's own.
+    return with_own_stream(state, index) if index else state

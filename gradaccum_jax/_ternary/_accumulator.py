@@ -118,7 +118,7 @@ def _ternary_window_accumulator(
     def for_device(acc, device):
         # Each device's window draws its own bits: devices that shared one
         # stream would round their terms alike, adding up their errors.
-        return acc._replace(key=_random.for_device(acc.key, device))
+        return acc._replace(key=_random.derive(acc.key, device))
 
     return WindowAccumulator(
         init=init, add=add, total=total, reset=reset, for_device=for_device

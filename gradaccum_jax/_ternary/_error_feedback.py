@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from gradaccum_jax import _tree
+from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._leaves import NoResidual, is_compressed
 
 
@@ -66,3 +67,22 @@ def residual_init(params: Any, min_size: int, keep_residual: bool) -> Any:
         return NoResidual(tuple(np.shape(param)))
 
     return jax.tree.map(leaf_init, params)
+
+
+def with_own_stream(state: Any, index: int) -> Any:
+    """``state`` with each `TernaryState`'s random stream derived for ``index``.
+
+    One transformation's states used side by side (DiLoCo's fragments, each
+    reduced with the same ``outer_reduction``) would otherwise start from
+    the same seed and step, and round alike: the same bits at the same leaf
+    positions. Any other part of ``state`` is returned as it is.
+    """
+
+    def reseeded(node):
+        if isinstance(node, TernaryState):
+            return node._replace(key=_random.derive(node.key, index))
+        return node
+
+    return jax.tree.map(
+        reseeded, state, is_leaf=lambda node: isinstance(node, TernaryState)
+    )

@@ -67,14 +67,16 @@ def advance(state: jax.Array) -> jax.Array:
     return state + jnp.array([0, 1], jnp.uint32)
 
 
-def for_device(state: jax.Array, device: Any) -> jax.Array:
-    """A device's own counter state: its seed word hashed with ``device``.
+def derive(state: jax.Array, index: Any) -> jax.Array:
+    """A counter state of its own for ``index``: the seed word hashed with it.
 
-    The step word is kept, so devices advance together; two devices (or a
-    device and another seed) share a seed word with probability 2**-32.
+    For users of one state that must not draw the same bits: the devices of
+    a window, DiLoCo's fragments. The step word is kept, so they advance
+    together; two indices (or an index and another seed) share a seed word
+    with probability 2**-32.
     """
     state = jnp.asarray(state, jnp.uint32)
-    seed = mix(mix(state[0] ^ _STREAM_SALTS[1]) ^ jnp.asarray(device, jnp.uint32))
+    seed = mix(mix(state[0] ^ _STREAM_SALTS[1]) ^ jnp.asarray(index, jnp.uint32))
     return jnp.stack([seed, state[1]])
 
 
