@@ -202,8 +202,13 @@ def stacked_as_unreduced(tree: Any, axis: str) -> Any:
 
 def mesh_axes_of(leaf: Any) -> frozenset[str]:
     """The mesh axes ``leaf``'s explicit partitions shard it over."""
+    return mesh_axes_in(partitions(leaf))
+
+
+def mesh_axes_in(placement: tuple[Any, ...]) -> frozenset[str]:
+    """The mesh axes a tuple of partitions (a spec's entries) names."""
     axes: set[str] = set()
-    for part in partitions(leaf):
+    for part in placement:
         if part is not None:
             axes |= {part} if isinstance(part, str) else set(part)
     return frozenset(axes)

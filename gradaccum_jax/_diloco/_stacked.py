@@ -130,8 +130,10 @@ def stack_workers(tree: Any, axis_name: str = "data") -> Any:
         jax.sharding.get_abstract_mesh()._name_to_type[axis_name] == AxisType.Explicit
     )
 
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if axis_name in _tree.mesh_axes_of(leaf):
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    placements = [_placement(leaf) for _, leaf in paths_and_leaves]
+    for (path, leaf), placement in zip(paths_and_leaves, placements, strict=True):
+        if axis_name in _tree.mesh_axes_in(placement):
             raise ValueError(
                 f"stack_workers: leaf {jax.tree_util.keystr(path)} "
                 f"({jax.typeof(leaf)}) is sharded over {axis_name!r}, the "
@@ -140,14 +142,38 @@ def stack_workers(tree: Any, axis_name: str = "data") -> Any:
                 "params over another mesh axis (a `model` or `fsdp` axis)."
             )
 
-    def stack(leaf):
-        spec = P(axis_name, *_tree.partitions(leaf))
+    def stack(leaf, placement):
+        spec = P(axis_name, *placement)
         repeated = jnp.broadcast_to(leaf[None], (workers, *jnp.shape(leaf)))
         if explicit:
             return jax.sharding.reshard(repeated, spec)
         return jax.lax.with_sharding_constraint(repeated, spec)
 
-    return jax.jit(lambda tree: jax.tree.map(stack, tree))(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    stacked = jax.jit(
+        lambda leaves: [
+            stack(leaf, placement)
+            for leaf, placement in zip(leaves, placements, strict=True)
+        ]
+    )(leaves)
+    return jax.tree.unflatten(treedef, stacked)
+
+
+def _placement(leaf: Any) -> tuple[Any, ...]:
+    """How ``leaf`` is split over the mesh: its partitions.
+
+    From its type on Explicit axes; on Auto axes the type says nothing, and
+    a concrete array's own sharding is the split the user chose (a
+    tensor-parallel layer placed with ``jax.device_put``), which the
+    stacked workers keep.
+    """
+    placement = _tree.partitions(leaf)
+    sharding = getattr(leaf, "sharding", None)
+    if not _tree.mesh_axes_in(placement) and isinstance(
+        sharding, jax.sharding.NamedSharding
+    ):
+        placement = tuple(sharding.spec)
+    return placement
 
 
 def anchor_params(state: Any) -> Any:
