@@ -112,6 +112,21 @@ LAYOUTS = {
         AxisType.Explicit,
         {"w": P(None, "model"), "b": P("model"), "v": P("model", None)},
     ),
+    # The same on axes the compiler partitions.
+    "2d-auto-tp": (
+        (4, 2),
+        ("data", "model"),
+        AxisType.Auto,
+        {"w": P(None, "model"), "b": P("model"), "v": P("model", None)},
+    ),
+    # Each worker a group of 2 devices sharing its params FSDP-style (by
+    # rows, over the inner axis; HSDP's layout), the workers over "data".
+    "2d-fsdp": (
+        (4, 2),
+        ("data", "fsdp"),
+        AxisType.Explicit,
+        {"w": P("fsdp", None), "b": P("fsdp"), "v": P("fsdp", None)},
+    ),
 }
 
 
@@ -166,11 +181,12 @@ def _data_parallel_sgd(params, grads_seq, lr):
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
-    "path", ["pmap", "shard_map", "1d-explicit", "1d-auto", "2d-tp"]
+    "path",
+    ["pmap", "shard_map", "1d-explicit", "1d-auto", "2d-tp", "2d-auto-tp", "2d-fsdp"],
 )
 def test_sync_every_step_with_outer_sgd_1_is_data_parallel_sgd(path, dtype):
     params = _params(dtype)
-    workers = 4 if path == "2d-tp" else N
+    workers = 4 if path.startswith("2d") else N
     grads_seq = _grads(workers, 3, dtype)
     opt = ga.diloco(optax.sgd(0.1), 1, outer=optax.sgd(1.0), axis_name="data")
     if path == "pmap":
@@ -193,13 +209,27 @@ def test_sync_every_step_with_outer_sgd_1_is_data_parallel_sgd(path, dtype):
         np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
 
 
-def test_stacked_params_keep_their_tensor_parallel_sharding():
+@pytest.mark.parametrize("layout", ["2d-tp", "2d-auto-tp", "2d-fsdp"])
+def test_stacked_params_keep_their_sharding_within_a_worker(layout):
     params = _params()
     stacked, state, _ = run_stacked(
-        ga.diloco(optax.adam(0.1), 2, axis_name="data"), params, _grads(4, 2), "2d-tp"
+        ga.diloco(optax.adam(0.1), 2, axis_name="data"), params, _grads(4, 2), layout
     )
-    assert jax.typeof(stacked["w"]).sharding.spec == P("data", None, "model")
-    assert jax.typeof(state.anchor["v"]).sharding.spec == P("data", "model", None)
+    specs = LAYOUTS[layout][3]
+    for name in params:
+        # The worker axis first, then the leaf's own split within a worker
+        # (the concrete arrays' sharding: Auto axes are not in the types).
+        want = jax.NamedSharding(stacked_mesh(layout), P("data", *specs[name]))
+        for where, leaf in [
+            ("params", stacked[name]),
+            ("anchor", state.anchor[name]),
+            ("adam mu", state.inner_state[0].mu[name]),
+        ]:
+            assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (
+                name,
+                where,
+                leaf.sharding.spec,
+            )
 
 
 def test_one_worker_with_outer_sgd_1_is_the_inner_optimizer():
@@ -290,9 +320,11 @@ def _param_sized(reductions, fraction=0.5):
     return [r for r in reductions if r.nbytes >= fraction * PARAM_F32_BYTES]
 
 
-@pytest.mark.parametrize("layout", ["1d-explicit", "1d-auto", "2d-tp"])
+@pytest.mark.parametrize(
+    "layout", ["1d-explicit", "1d-auto", "2d-tp", "2d-auto-tp", "2d-fsdp"]
+)
 def test_sync_is_one_all_reduce_in_the_loop_and_nothing_else_runs_every_step(layout):
-    workers = 4 if layout == "2d-tp" else N
+    workers = 4 if layout.startswith("2d") else N
     _, _, compiled = run_stacked(
         ga.diloco(optax.adam(0.01), 4, axis_name="data"),
         _params(),
@@ -302,9 +334,9 @@ def test_sync_is_one_all_reduce_in_the_loop_and_nothing_else_runs_every_step(lay
     reductions = ga.all_reduces(compiled)
     assert [r for r in reductions if r.place == "entry"] == []
     # A device's block of the params in float32 (half of them with the
-    # tensor-parallel split over a model axis of 2), and one scalar: the
-    # presence of weight.
-    expected = PARAM_F32_BYTES // (2 if layout == "2d-tp" else 1)
+    # tensor-parallel or FSDP split over an inner axis of 2), and one
+    # scalar: the presence of weight.
+    expected = PARAM_F32_BYTES // (2 if layout.startswith("2d") else 1)
     big = [r for r in reductions if r.nbytes >= expected // 2]
     assert len(big) == 1 and big[0].place == "while-body"
     assert expected <= big[0].nbytes <= expected + 8
@@ -394,6 +426,23 @@ def test_ternary_outer_reduction_is_the_same_on_pmap_and_stacked_and_keeps_resid
     )
     error = _max_error(by_pmap, exact)
     assert 0 < error < 0.5
+
+
+def test_ternary_fragments_draw_their_own_random_bits():
+    """Each fragment's reduction state has its own seed word: one shared seed
+    would round every fragment's leaves with the same bits."""
+    params = _big_params()
+    single = ga.ternary_average_across_devices("data", seed=0).init(
+        [jnp.zeros(3), jnp.ones([])]
+    )
+    state = _ternary_diloco(sync_every=4, fragments=3).init(params)
+    keys = np.stack([np.asarray(r.key) for r in state.reduction_states])
+    assert keys.dtype == np.uint32 and keys.shape == (3, 2)
+    # Fragment 0 keeps the reduction's own (seed, step); the others derive
+    # distinct seed words from it; every step word starts at 0.
+    np.testing.assert_array_equal(keys[0], np.asarray(single.key))
+    assert len(set(keys[:, 0].tolist())) == 3
+    np.testing.assert_array_equal(keys[:, 1], 0)
 
 
 def test_ternary_residual_is_used_by_the_next_sync():
