@@ -19,6 +19,10 @@ import pytest
 
 pytest.importorskip("flax.nnx")
 
+# One worker runs every test here: the `runs` fixture trains five models
+# (about 50 s), once per worker that needs it.
+pytestmark = pytest.mark.xdist_group("transformer_lm")
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
