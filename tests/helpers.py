@@ -3,12 +3,16 @@
 ``EAGER_AND_JIT`` runs one test body with and without ``jax.jit`` (the pytest
 spelling of ``chex.variants(with_jit=True, without_jit=True)``): Python-side
 branching and trace-time checks behave differently in the two.
-``train_step_temp_bytes`` reads a donated train step's compiled temporaries.
+``train_step_temp_bytes`` reads a donated train step's compiled temporaries;
+``entry_arrays`` lists the arrays a compiled step makes on every call.
 """
 
 from __future__ import annotations
 
+import re
+
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -42,3 +46,18 @@ def train_step_temp_bytes(tx, params, make_grads=None) -> int:
         .compile()
     )
     return compiled.memory_analysis().temp_size_in_bytes
+
+
+def entry_arrays(compiled, dtype: str) -> list[tuple[str, int]]:
+    """(instruction, element count) of the ``dtype`` arrays (an HLO type:
+    ``u32``, ``f32``) that ``compiled``'s entry computation makes, not
+    counting its parameters and their bitcasts: work that runs on every
+    call, whether or not a loop in the step runs."""
+    entry = compiled.as_text().split("\nENTRY ", 1)[1].split("\n}\n", 1)[0]
+    found = []
+    for line in entry.splitlines()[1:]:
+        match = re.search(rf"= {dtype}\[([\d,]*)\]\S* (\S+)\(", line)
+        if match and match.group(2) not in ("parameter", "bitcast"):
+            dims = [int(d) for d in match.group(1).split(",") if d]
+            found.append((line.strip()[:120], int(np.prod(dims))))
+    return found

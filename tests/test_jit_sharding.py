@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax._measure import all_reduces
+from helpers import entry_arrays
 
 N_DEVICES = 8
 K = 3
@@ -571,6 +572,24 @@ def test_ternary_window_reduction_sends_a_sixth_of_the_bytes_inside_the_loop(
     # 372 + 8 + 20 = 400 bytes against 2580: 0.155 of the float32 all-reduce.
     assert max(op.nbytes for op in ops) <= 0.25 * float_window
     assert sum(op.nbytes for op in ops) <= 0.16 * float_window
+
+
+def test_ternary_window_draws_its_random_bits_only_when_it_emits(any_mesh):
+    """The element indices the rounding hashes depend on nothing the
+    emission's loop carries; left so, XLA hoists them out of it, and every
+    micro-step writes a uint32 array the size of each compressed leaf (a
+    window took 1.37x longer at 4.2M params, bench_sharded.py)."""
+    opt = _ternary_opt()
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    args = _place(_micro_batches([16], masked=True)[0])
+    compiled = jax.jit(_weighted_step(opt)).lower(params, state, *args).compile()
+    hoisted = [
+        (line, size)
+        for line, size in entry_arrays(compiled, "u32")
+        if size >= TERNARY_MIN_SIZE
+    ]
+    assert hoisted == []
 
 
 def test_a_tracked_ternary_window_sums_the_noise_scale_terms_exactly(mesh):
