@@ -9,7 +9,9 @@ same model and loss in a jitted train step:
   every micro-step) fed to ``optax.MultiSteps``;
 * ours: `gradaccum_jax.local_value_and_grad` (per-device gradients, left
   unreduced) fed to ``gradaccum_jax.MultiSteps(..., unreduced_axes="data")``,
-  which reduces the window once, when it emits.
+  which reduces the window once, when it emits;
+* ours, ternary: the same with ``window_reduction=ternary_window_reduction``
+  (the window's sum sent as ternary codes, inside the emission's loop).
 
 Reported: gradient bytes all-reduced per window, read from the compiled
 step's HLO (all-reduces outside loops run on every micro-step and count k
@@ -75,8 +77,13 @@ def optax_step(k):
     return tx, step
 
 
-def ours_step(k):
-    tx = gradaccum_jax.MultiSteps(optax.adam(1e-3), k, unreduced_axes="data")
+def ours_step(k, window_reduction=None):
+    tx = gradaccum_jax.MultiSteps(
+        optax.adam(1e-3),
+        k,
+        unreduced_axes="data",
+        window_reduction=window_reduction,
+    )
     grad_fn = gradaccum_jax.local_value_and_grad(loss_fn, "data")
 
     def step(params, state, x, y):
@@ -140,6 +147,13 @@ def main() -> None:
         ),
         "ours + local_value_and_grad": measure(
             ours_step, params, batches, args.k, args.repeats
+        ),
+        "ours, ternary window": measure(
+            lambda k: ours_step(k, gradaccum_jax.ternary_window_reduction(0)),
+            params,
+            batches,
+            args.k,
+            args.repeats,
         ),
     }
     ref_bytes, ref_time = results["optax.MultiSteps + jax.grad"]
