@@ -15,15 +15,17 @@ Two tasks:
   with k=8 around the float32 mean: one all-reduce per 8 micro-steps) and
   ``diloco32`` (`diloco` with the same sgd as inner optimizer, H=32: each
   process steps its own params, and every 32 steps one float32 all-reduce
-  of the outer gradient; the params are per device, ``P(AXIS)``). The
+  of the outer gradient; the params are per device, ``P(AXIS)``) and
+  ``diloco32t`` (the same with the outer gradient sent as ternary codes,
+  ``outer_reduction=ternary_average_across_devices``). The
   loss is cheap (4 examples per device) so that communication shows. Each
   repeat runs one step (one window of 8 micro-steps for ``accum8``, one
-  cycle of 32 steps, its sync included, for ``diloco32``) and waits for it
+  cycle of 32 steps, its sync included, for DiLoCo) and waits for it
   with ``jax.block_until_ready``; the median over repeats is reported.
 - ``accuracy``: the same optimizers training a small MLP on
   scikit-learn's ``load_digits`` for a fixed number of updates, per seed;
   the test accuracy shows what compression costs in accuracy (for
-  ``diloco32``, that of the anchor: the model the workers agreed on at the
+  DiLoCo, that of the anchor: the model the workers agreed on at the
   last sync).
 
 Process 0 writes the results as JSON to ``--out``. Every wait is bounded:
@@ -48,7 +50,10 @@ from typing import Any
 import numpy as np
 
 AXIS = "data"
-VARIANTS = ("f32", "ternary", "accum8", "diloco32")
+VARIANTS = ("f32", "ternary", "accum8", "diloco32", "diloco32t")
+# DiLoCo's workers hold their own params (``P(AXIS)``) and run cycles of
+# SYNC_EVERY steps.
+DILOCO_VARIANTS = ("diloco32", "diloco32t")
 EVERY_K = 8
 SYNC_EVERY = 32
 LEARNING_RATE = 1e-3
@@ -84,6 +89,13 @@ def make_optimizer(variant: str, learning_rate: float, seed: int = 0):
         )
     if variant == "diloco32":
         return ga.diloco(optax.sgd(learning_rate), SYNC_EVERY, axis_name=AXIS)
+    if variant == "diloco32t":
+        return ga.diloco(
+            optax.sgd(learning_rate),
+            SYNC_EVERY,
+            axis_name=AXIS,
+            outer_reduction=ga.ternary_average_across_devices(AXIS, seed=seed),
+        )
     raise ValueError(f"unknown variant {variant!r}, expected one of {VARIANTS}")
 
 
@@ -212,7 +224,7 @@ def time_variant(
     trainer = DataParallel(
         devices,
         make_optimizer(variant, LEARNING_RATE),
-        per_device_params=variant == "diloco32",
+        per_device_params=variant in DILOCO_VARIANTS,
     )
     params, state = trainer.init(init_mlp(TIMING_LAYERS, seed=0))
     num_params = sum(int(p.size) for p in jax.tree.leaves(params))
@@ -223,7 +235,9 @@ def time_variant(
     x = rng.normal(size=(batch, TIMING_LAYERS[0])).astype(np.float32)
     y = rng.integers(0, TIMING_LAYERS[-1], size=(batch,)).astype(np.int32)
     x, y = trainer.put(x, trainer.split), trainer.put(y, trainer.split)
-    steps = {"accum8": EVERY_K, "diloco32": SYNC_EVERY}.get(variant, 1)
+    steps = EVERY_K if variant == "accum8" else 1
+    if variant in DILOCO_VARIANTS:
+        steps = SYNC_EVERY
 
     start = time.perf_counter()
     params, state = trainer.step(params, state, x, y)
@@ -280,7 +294,7 @@ def train_digits(
     trainer = DataParallel(
         devices,
         make_optimizer(variant, DIGITS_LEARNING_RATE, seed=seed),
-        per_device_params=variant == "diloco32",
+        per_device_params=variant in DILOCO_VARIANTS,
     )
     params, state = trainer.init(init_mlp(DIGITS_LAYERS, seed=seed))
     rng = np.random.default_rng(seed)

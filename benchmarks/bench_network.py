@@ -24,7 +24,9 @@ loopback:
   k=8, count_skipped=True, around the float32 mean + sgd; per micro-step
   and per window of 8) and ``diloco32`` (`diloco` with sgd as the inner
   optimizer and its default outer Nesterov step, H=32, params per
-  process; per step and per cycle of 32, its sync included). Median of
+  process; per step and per cycle of 32, its sync included) and
+  ``diloco32t`` (the same, its outer gradient sent as ternary codes with
+  ``ternary_average_across_devices``). Median of
   ``--repeats`` after ``--warmup``;
 - once (unshaped: bandwidth does not change the arithmetic), the workers
   train a small MLP on scikit-learn's ``load_digits`` with each variant for
@@ -69,7 +71,8 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 WORKER = HERE / "_network_worker.py"
 NUM_PROCESSES = 2
-VARIANTS = ("f32", "ternary", "accum8", "diloco32")
+VARIANTS = ("f32", "ternary", "accum8", "diloco32", "diloco32t")
+DILOCO_VARIANTS = ("diloco32", "diloco32t")
 EVERY_K = 8
 SYNC_EVERY = 32
 # tbf: 4 ms of traffic per burst, at least 256 KiB (loopback's GSO packets
@@ -348,6 +351,7 @@ def plot(points: list[dict], cross: dict, path: Path, title: str) -> None:
         "accum8_window": ("accum k=8, per window of 8", "^:", "C2"),
         "diloco32": ("DiLoCo H=32, per step", "D-", "C3"),
         "diloco32_window": ("DiLoCo H=32, per cycle of 32", "D:", "C3"),
+        "diloco32t": ("DiLoCo H=32 ternary outer, per step", "v-", "C4"),
     }
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ordered = sorted(points, key=lambda p: x_of(p["rate"]))
@@ -511,9 +515,12 @@ def main() -> None:
         accuracy.setdefault(run_["variant"], []).append(run_["accuracy"])
     cross = crossover(points)
     versus_f32 = {
-        p["label"]: p["ms"]["diloco32"] / p["ms"]["f32"]
-        for p in points
-        if {"diloco32", "f32"} <= p["ms"].keys()
+        variant: {
+            p["label"]: p["ms"][variant] / p["ms"]["f32"]
+            for p in points
+            if {variant, "f32"} <= p["ms"].keys()
+        }
+        for variant in DILOCO_VARIANTS
     }
     num_params = next((r["num_params"] for p in points for r in p["runs"]), None)
     title = (
@@ -525,8 +532,9 @@ def main() -> None:
     print()
     where = "none" if cross["gbit"] is None else f"{cross['gbit']:.3g} Gbit/s"
     print(f"crossover: {where} ({cross['note']})")
-    for label, ratio in versus_f32.items():
-        print(f"diloco32 / f32 step time at {label}: {ratio:.3f}")
+    for variant, ratios in versus_f32.items():
+        for label, ratio in ratios.items():
+            print(f"{variant} / f32 step time at {label}: {ratio:.3f}")
     print(f"total: {time.monotonic() - started:.0f} s")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -546,7 +554,7 @@ def main() -> None:
         "num_params": num_params,
         "every_k": EVERY_K,
         "sync_every": SYNC_EVERY,
-        "diloco32_vs_f32": versus_f32,
+        "diloco_vs_f32": versus_f32,
         # JSON has no infinity: the unlimited rate is written as null.
         "points": [
             {**p, "rate": None if math.isinf(p["rate"]) else p["rate"]} for p in points
