@@ -133,8 +133,8 @@ def element_index(like: Any, tie: jax.Array) -> jax.Array:
     sharding = _tree.explicit_sharding(like)
     if all(size <= 1 for size in shape):  # a single element
         return jnp.zeros(shape, jnp.uint32, out_sharding=sharding)
-    # 0, written so that XLA cannot fold it: it folds ``key & 0``,
-    # ``key ^ key``, and constants through an optimization barrier.
+    # 0, written so that XLA cannot fold it: it folds ``key * 0``,
+    # ``key ^ key``, and constants passed through an optimization barrier.
     zero = jnp.minimum(tie[0], jnp.uint32(0))
     terms, stride = [], 1
     for dim in reversed(range(len(shape))):
