@@ -1,18 +1,23 @@
 """examples/transformer_lm.py: a byte-level transformer on the stdlib's source.
 
 The small configuration trains five runs on 8 emulated devices from the
-same parameters on the same tokens (see the module docstring); these tests
-pin what it shows: the accumulated and micro-batched runs are the big-batch
-run up to bfloat16 rounding, the ternary window stays within a margin of
-it, the adaptive window reports the k it chose, and the corpus is the same
-on every read.
+same parameters on the same tokens (see the module docstring), and
+notebooks/06_transformer_lm.ipynb shows them. The `runs` fixture executes
+that notebook top to bottom and takes its results, so the five runs are
+trained once in the suite (test_notebooks leaves this notebook's execution
+to this module); these tests pin what it shows: the accumulated and
+micro-batched runs are the big-batch run up to bfloat16 rounding, the
+ternary window stays within a margin of it, the adaptive window reports the
+k it chose, and the corpus is the same on every read.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +28,11 @@ pytest.importorskip("flax.nnx")
 # (about 50 s), once per worker that needs it.
 pytestmark = pytest.mark.xdist_group("transformer_lm")
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+NOTEBOOK = REPO / "notebooks" / "06_transformer_lm.ipynb"
+CELL_TIMEOUT_S = 300
+NOTEBOOK_BUDGET_S = 240  # as for every notebook: see test_notebooks
 
 
 def _load():
@@ -41,12 +50,46 @@ CFG = lm.CONFIGS["small"]
 
 
 @pytest.fixture(scope="module")
-def runs():
-    import jax
+def notebook_run(tmp_path_factory):
+    """The notebook, executed in a fresh kernel: its five results and seconds.
 
-    if jax.device_count() != 8:
-        pytest.skip("needs the 8 emulated devices of tests/conftest.py")
-    return lm.main("small")  # prints the table
+    A cell appended to it writes ``results`` (one `RunResult` per run) as
+    JSON, which round-trips every float exactly (NaN included).
+    """
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    out = tmp_path_factory.mktemp("transformer_lm") / "results.json"
+    notebook.cells.append(
+        nbformat.v4.new_code_cell(
+            "import dataclasses, json\n"
+            f"pathlib.Path({str(out)!r}).write_text(json.dumps("
+            "{name: dataclasses.asdict(r) for name, r in results.items()}))"
+        )
+    )
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+    )
+    start = time.perf_counter()
+    client.execute()  # raises CellExecutionError, naming the cell, on failure
+    seconds = time.perf_counter() - start
+    results = json.loads(out.read_text())
+    return {name: lm.RunResult(**fields) for name, fields in results.items()}, seconds
+
+
+@pytest.fixture(scope="module")
+def runs(notebook_run):
+    return notebook_run[0]
+
+
+def test_the_notebook_runs_the_small_configuration_within_its_budget(notebook_run):
+    results, seconds = notebook_run
+    assert list(results) == list(lm.METHODS)
+    assert all(run.updates > 0 for run in results.values())
+    assert seconds < NOTEBOOK_BUDGET_S, f"{NOTEBOOK.name} took {seconds:.0f} s"
 
 
 def test_the_corpus_is_the_same_on_every_read_and_split_by_file():
