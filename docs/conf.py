@@ -55,7 +55,8 @@ autodoc_preserve_defaults = True
 autodoc_type_aliases = {"Schedule": "Schedule"}
 autosummary_generate = False
 
-# The notebooks are committed executed (tests/test_notebooks.py runs them):
+# The notebooks are committed executed (the tests run them: test_notebooks.py,
+# and test_transformer_lm.py for the transformer notebook):
 # render their saved outputs, never run them here.
 nb_execution_mode = "off"
 myst_enable_extensions = ["colon_fence"]
