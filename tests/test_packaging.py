@@ -52,6 +52,12 @@ def clean_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
+# One worker runs every test here: the `dist` fixture builds in the source
+# tree (its egg-info and build directories), and two builds at once, one
+# per worker, would race over them.
+pytestmark = pytest.mark.xdist_group("packaging")
+
+
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     result = subprocess.run(
         args, capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs
