@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import site
 import subprocess
 import sys
@@ -52,9 +53,8 @@ def clean_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
-# One worker runs every test here: the `dist` fixture builds in the source
-# tree (its egg-info and build directories), and two builds at once, one
-# per worker, would race over them.
+# One worker runs every test here: the `dist` fixture (two builds, about
+# 10 s) runs once per worker that needs it.
 pytestmark = pytest.mark.xdist_group("packaging")
 
 
@@ -66,13 +66,29 @@ def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
+# What a build does not read: version control, virtual environments, caches
+# and earlier build outputs.
+NOT_SOURCES = shutil.ignore_patterns(
+    ".git", ".venv", "venv", ".*_cache", ".hypothesis", "__pycache__",
+    "*.egg-info", "build", "dist", ".ipynb_checkpoints",
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> pathlib.Path:
-    """An sdist and a wheel built from the sdist, as `python -m build` makes them."""
+    """An sdist and a wheel built from the sdist, as `python -m build` makes them.
+
+    Built from a copy of the source tree: a build writes into the tree it
+    runs in (egg-info, and the sdist's staging directory, removed when
+    done), and two builds in one tree at once, from two test processes,
+    delete each other's files.
+    """
+    source = tmp_path_factory.mktemp("source") / "gradaccum_jax"
+    shutil.copytree(ROOT, source, ignore=NOT_SOURCES)
     out = tmp_path_factory.mktemp("dist")
     run(
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out)],
-        cwd=ROOT,
+        cwd=source,
     )
     return out
 
