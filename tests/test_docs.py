@@ -19,10 +19,6 @@ import gradaccum_jax
 pytest.importorskip("sphinx")
 pytest.importorskip("myst_nb")
 
-# One worker runs every test here: the `html` fixture builds the whole site
-# (about 7 s), once per worker that needs it.
-pytestmark = pytest.mark.xdist_group("docs")
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BUILD_TIMEOUT_S = 300

@@ -258,7 +258,6 @@ def _single_process_jit(mesh_kind: str) -> dict[str, np.ndarray]:
 JIT_TOLERANCE = 1e-6
 
 
-@pytest.mark.xdist_group("multiprocess_jit")  # one `jit_run` for both
 @pytest.mark.parametrize("mesh_kind", worker.JIT_MESHES)
 def test_jit_two_processes_match_one_process_with_8_devices(jit_run, mesh_kind):
     expected = _single_process_jit(mesh_kind)
@@ -298,7 +297,6 @@ def _wait_until_stopped(processes, out_dir: pathlib.Path) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.xdist_group("multiprocess_jit")  # one `jit_run` for both
 def test_jit_run_killed_mid_window_resumes_bitwise(jit_run, tmp_path):
     """SIGKILL one process mid-window, restart both from the last checkpoint:
     the final parameters and state equal the uninterrupted run's bitwise."""

@@ -53,11 +53,6 @@ def clean_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
-# One worker runs every test here: the `dist` fixture (two builds, about
-# 10 s) runs once per worker that needs it.
-pytestmark = pytest.mark.xdist_group("packaging")
-
-
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     result = subprocess.run(
         args, capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs
