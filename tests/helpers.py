@@ -61,3 +61,21 @@ def entry_arrays(compiled, dtype: str) -> list[tuple[str, int]]:
             dims = [int(d) for d in match.group(1).split(",") if d]
             found.append((line.strip()[:120], int(np.prod(dims))))
     return found
+
+
+_HLO_MOVE = re.compile(
+    r"=\s*(\([^()]*\)|\S+)\s+(all-gather|all-to-all|collective-permute)(?:-start)?\("
+)
+
+
+def moved_arrays(compiled) -> list[tuple[str, str]]:
+    """(collective, element type) of every all-gather, all-to-all and
+    collective-permute in ``compiled``'s HLO: the collectives that move
+    values between devices without summing them (``s8``, ``u32``, ``f32``)."""
+    found = []
+    for line in compiled.as_text().splitlines():
+        match = _HLO_MOVE.search(line)
+        if match:
+            for dtype in re.findall(r"(\w+)\[[\d,]*\]", match.group(1)):
+                found.append((match.group(2), dtype))
+    return found
