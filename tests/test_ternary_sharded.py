@@ -264,3 +264,20 @@ def test_ternary_window_reduction_of_tensor_parallel_terms_keeps_their_split():
     # With the scales, the exact bias and the window weight: 468 bytes a
     # device against 888.
     assert 0.5 <= sum(words) / sum(replicated_words) <= 0.52
+
+
+def test_a_per_device_ternary_window_of_tensor_parallel_params_is_a_clear_error():
+    """Each device's ternary window is a function of its whole term; with
+    the leaf split over `model` the message points at the window reduction,
+    which keeps the split."""
+    opt = ga.ternary_accumulate(optax.sgd(1.0), 2, unreduced_axes="data")
+    with jax.set_mesh(_mesh((4, 2), ("data", "model"))):
+        params = jax.device_put(
+            _tree(0, jnp.float32), {"w": P(None, "model"), "b": P()}
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"Param \['w'\] \(float32\[16,32@model\]\) is split over mesh "
+            r"axis 'model'(.|\n)*window_reduction=ternary_window_reduction",
+        ):
+            jax.jit(opt.init)(params)
