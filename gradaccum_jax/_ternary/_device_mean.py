@@ -195,7 +195,10 @@ def ternary_average_across_devices(
 
     The codes travel as digits of uint32 words (7 per word with 8 devices,
     1/7 of a float32 psum); leaves smaller than ``min_size`` are averaged
-    exactly in float32. With ``error_feedback`` (Karimireddy et al., ICML
+    exactly in float32. A leaf split over another mesh axis by explicit
+    sharding (tensor-parallel params within a ``shard_map`` over
+    ``axis_name`` alone) keeps its split: each device codes and sends its
+    own block. With ``error_feedback`` (Karimireddy et al., ICML
     2019) each device keeps its clipping error for the next step. The
     ternary guide, section "The device mean on the wire", has the wire
     format, the residual's rules, and what a zero weight or a non-finite
