@@ -102,23 +102,11 @@ class TermsLayout:
         """
         return fn
 
-    def over_term_blocks(
-        self, fn: Callable[[Any, Any, Any], tuple[Any, Any]]
-    ) -> Callable[[Any, Any], tuple[Any, Any]]:
-        """``fn(blocks, splits, state)`` on each device's own block of its term.
-
-        As `over_terms`, but a term split over other mesh axes (a
-        tensor-parallel leaf on a 2-D mesh) is not gathered: ``fn`` sees the
-        device's block, ``splits`` (a list, one per leaf of ``blocks``) says
-        how each is split (``_ternary._blocks.Split``, ``()`` when whole), and
-        ``fn`` returns blocks of its results split alike, with ``state``
-        replicated. Whatever depends on a whole leaf, ``fn`` computes with
-        collectives over the split's axes. Stacked terms (on one Auto axis,
-        whose types say nothing of a split) are whole.
-        """
-        return self.over_terms(
-            lambda terms, state: fn(terms, [() for _ in jax.tree.leaves(terms)], state)
-        )
+    def over_term_blocks(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`over_terms` with ``fn(blocks, splits, state)``: each device's block
+        of a term split over other axes, its partitions (``_ternary._blocks``;
+        ``()``: whole, as stacked terms are); ``fn`` returns blocks, state."""
+        return self.over_terms(lambda t, s: fn(t, [()] * len(jax.tree.leaves(t)), s))
 
     def micro_batch(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn(mean_grads, weight, *replicated)`` on each device's micro-batch.
@@ -261,16 +249,13 @@ class Unreduced(DeviceTerms):
 
     def over_term_blocks(self, fn):
         def mapped(terms, state):
+            splits = [_tree.partitions(leaf) for leaf in jax.tree.leaves(terms)]
             specs = jax.tree.map(lambda leaf: P(*_tree.partitions(leaf)), terms)
-            splits = [tuple(spec) for spec in jax.tree.leaves(specs)]
-            term_specs = jax.tree.map(
-                lambda spec: P(*spec, unreduced=set(self.axes)), specs
-            )
-            # Unchecked, as `_full_manual`; each device's results are its
-            # blocks (split like the terms, the same over ``self.axes``).
+            # Unchecked, as `_full_manual`: results are each device's blocks.
+            unreduced = jax.tree.map(lambda s: P(*s, unreduced=set(self.axes)), specs)
             return jax.shard_map(
                 lambda terms, state: fn(terms, splits, state),
-                in_specs=(term_specs, P()),
+                in_specs=(unreduced, P()),
                 out_specs=(specs, P()),
                 check_vma=False,
             )(terms, state)
