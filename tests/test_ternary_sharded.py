@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax._ternary import _random
+from gradaccum_jax._ternary._quantize import scale_and_bound
 from helpers import moved_arrays
 
 # (mesh shape, mesh axes, the weight's spec, the bias's spec, dtype)
@@ -36,6 +37,14 @@ LAYOUTS = {
         jnp.float32,
     ),
     "fsdp-bfloat16": ((8,), ("data",), P("data", None), P("data"), jnp.bfloat16),
+    # Megatron's second layer: split by rows.
+    "tensor-parallel-rows": (
+        (4, 2),
+        ("data", "model"),
+        P("model", None),
+        P(None),
+        jnp.float32,
+    ),
 }
 
 
@@ -136,6 +145,34 @@ def test_random_bits_are_sharded_like_the_leaf_and_do_not_depend_on_it():
     for spec, sharded in zip(specs, bits, strict=True):
         assert sharded.sharding.spec == spec
         np.testing.assert_array_equal(sharded, expected, err_msg=str(spec))
+
+
+def test_a_devices_block_draws_the_bits_and_scale_of_the_whole_leaf():
+    """Inside a shard_map manual over the axes that split a leaf, a device
+    sees its block only: told the split, it draws its elements' bits of the
+    whole leaf and takes the whole leaf's scale."""
+    stream = _random.stream(_random.seed_state(7), 2)
+    leaf = jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)), jnp.float32)
+    expected_bits = np.asarray(_random.bits(stream, leaf))
+    expected_scale = scale_and_bound(leaf, 2.5, tight=True)[0]
+    specs = (
+        P("data", None),
+        P(None, "model"),
+        P("data", "model"),
+        P(("model", "data")),
+    )
+    with jax.set_mesh(_mesh((4, 2), ("data", "model"))):
+        for spec in specs:
+
+            def block(x, spec=spec):
+                scale = scale_and_bound(x, 2.5, tight=True, split=tuple(spec))[0]
+                return _random.bits(stream, x, tuple(spec)), scale
+
+            bits, scale = jax.jit(
+                jax.shard_map(block, in_specs=spec, out_specs=(spec, P()))
+            )(jax.device_put(leaf, spec))
+            np.testing.assert_array_equal(bits, expected_bits, err_msg=str(spec))
+            np.testing.assert_allclose(scale, expected_scale, rtol=1e-6)
 
 
 # --- a per-device window restored on another number of devices -----------
