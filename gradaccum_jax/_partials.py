@@ -102,6 +102,12 @@ class TermsLayout:
         """
         return fn
 
+    def over_term_blocks(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`over_terms` with ``fn(blocks, splits, state)``: each device's block
+        of a term split over other axes, its partitions (``_ternary._blocks``;
+        ``()``: whole, as stacked terms are); ``fn`` returns blocks, state."""
+        return self.over_terms(lambda t, s: fn(t, [()] * len(jax.tree.leaves(t)), s))
+
     def micro_batch(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn(mean_grads, weight, *replicated)`` on each device's micro-batch.
 
@@ -240,6 +246,21 @@ class Unreduced(DeviceTerms):
 
     def over_terms(self, fn):
         return self._full_manual(fn, P())
+
+    def over_term_blocks(self, fn):
+        def mapped(terms, state):
+            splits = [_tree.partitions(leaf) for leaf in jax.tree.leaves(terms)]
+            specs = jax.tree.map(lambda leaf: P(*_tree.partitions(leaf)), terms)
+            # Unchecked, as `_full_manual`: results are each device's blocks.
+            unreduced = jax.tree.map(lambda s: P(*s, unreduced=set(self.axes)), specs)
+            return jax.shard_map(
+                lambda terms, state: fn(terms, splits, state),
+                in_specs=(unreduced, P()),
+                out_specs=(specs, P()),
+                check_vma=False,
+            )(terms, state)
+
+        return mapped
 
     def _full_manual(self, fn, out_spec):
         """``fn`` on each device's whole term, in a full-manual shard_map.

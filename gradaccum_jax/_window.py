@@ -90,6 +90,7 @@ def per_device_accumulator(
 
     def init(params):
         _partials.check_not_sharded_over(params, axes, "Param")
+        _check_whole_per_device(params)
         layout = _partials.device_terms_layout(axes)
         local = accumulator.init(params)
         devices = jnp.arange(layout.device_count())
@@ -136,6 +137,30 @@ def per_device_accumulator(
         )
 
     return WindowAccumulator(init, add, total, reset)
+
+
+def _check_whole_per_device(params: Any) -> None:
+    """Raises if a param is split over a mesh axis (explicit sharding).
+
+    Each device's window runs in a ``shard_map`` manual over every mesh axis
+    (its terms are unreduced arrays), where it sees the whole leaf: a
+    window of its own is a function of the whole term (a ternary window's
+    scale), which a block of it does not give.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        split = sorted(_tree.mesh_axes_of(leaf))
+        if split:
+            raise ValueError(
+                f"Param {jax.tree_util.keystr(path)} ({jax.typeof(leaf)}) is "
+                f"split over mesh axis {split[0]!r}: a window kept on each "
+                "device (a window accumulator of its own with `unreduced_axes`, "
+                "as in ternary_accumulate(..., unreduced_axes=...)) holds whole "
+                "leaves. Keep the window as float32 terms and send ternary "
+                "codes at its emission instead (MultiSteps(..., "
+                "unreduced_axes=..., window_reduction=ternary_window_reduction("
+                "seed))), which keeps the split, or accumulate without "
+                "`unreduced_axes`."
+            )
 
 
 def _check_device_count(acc: PerDeviceWindow, axes: frozenset[str]) -> None:

@@ -61,3 +61,36 @@ def entry_arrays(compiled, dtype: str) -> list[tuple[str, int]]:
             dims = [int(d) for d in match.group(1).split(",") if d]
             found.append((line.strip()[:120], int(np.prod(dims))))
     return found
+
+
+_HLO_MOVE = re.compile(
+    r"=\s*(\([^()]*\)|\S+)\s+(all-gather|all-to-all|collective-permute)(?:-start)?\("
+)
+
+
+def moved_arrays(compiled) -> list[tuple[str, str, str]]:
+    """(collective, element type, place) of every all-gather, all-to-all
+    and collective-permute in ``compiled``'s HLO: the collectives that move
+    values between devices without summing them. ``place`` is as in
+    `gradaccum_jax.all_reduces`: ``"entry"`` (every call), ``"while-body"``
+    (inside a loop, e.g. a window's emission) or ``"other"``."""
+    text = compiled.as_text()
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    found, computation, is_entry = [], None, False
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s", line)
+        if header and not line.startswith(" "):
+            computation, is_entry = header.group(2), bool(header.group(1))
+            continue
+        match = _HLO_MOVE.search(line)
+        if match:
+            place = (
+                "entry"
+                if is_entry
+                else "while-body"
+                if computation in bodies
+                else "other"
+            )
+            for dtype in re.findall(r"(\w+)\[[\d,]*\]", match.group(1)):
+                found.append((match.group(2), dtype, place))
+    return found

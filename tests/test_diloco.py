@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from helpers import entry_arrays
+from helpers import entry_arrays, moved_arrays
 
 N = 8  # devices, workers on 1-D layouts
 
@@ -120,6 +120,9 @@ LAYOUTS = {
         AxisType.Auto,
         {"w": P(None, "model"), "b": P("model"), "v": P("model", None)},
     ),
+    # The reference of the 2-D layouts: every worker's params whole on
+    # each of its 2 devices.
+    "2d-replicated": ((4, 2), ("data", "model"), AxisType.Explicit, None),
     # Each worker a group of 2 devices sharing its params FSDP-style (by
     # rows, over the inner axis; HSDP's layout), the workers over "data".
     "2d-fsdp": (
@@ -368,10 +371,13 @@ def _big_params():
     }
 
 
-def _big_grads(steps, seed=4):
+def _big_grads(steps, seed=4, workers=N):
     rs = np.random.RandomState(seed)
     return [
-        {k: rs.randn(N, *p.shape).astype(np.float32) for k, p in _big_params().items()}
+        {
+            k: rs.randn(workers, *p.shape).astype(np.float32)
+            for k, p in _big_params().items()
+        }
         for _ in range(steps)
     ]
 
@@ -484,6 +490,73 @@ def test_ternary_residual_is_used_by_the_next_sync():
                 p = optax.apply_updates(p, updates)
             results.append(np.asarray(p["w"]))
     assert np.abs(results[0] - results[1]).max() > 1e-4
+
+
+# The 2-D layouts of `_big_params`: w (64 x 32) and v (32 x 32) compressed,
+# split over the inner axis by columns, by rows, or FSDP-style.
+BIG_2D_SPECS = {
+    "2d-tp": {"w": P(None, "model"), "v": P("model", None), "b": P("model")},
+    "2d-auto-tp": {"w": P(None, "model"), "v": P("model", None), "b": P("model")},
+    "2d-fsdp": {"w": P("fsdp", None), "v": P("fsdp", None), "b": P("fsdp")},
+}
+
+
+def _word_bytes(codes, per_word=10):
+    """The bytes of ``codes`` packed whole, ``per_word`` (4 workers) a word."""
+    return -(-codes // per_word) * 4
+
+
+def _integer_moves(compiled):
+    """Collectives that move ternary codes, their packed words or their sums
+    between devices (all-reduces sum them, and are not counted)."""
+    return [move for move in moved_arrays(compiled) if move[1] in ("s8", "u32", "s32")]
+
+
+@pytest.mark.parametrize("layout", ["2d-tp", "2d-auto-tp", "2d-fsdp"])
+def test_ternary_outer_reduction_on_a_2d_mesh_keeps_the_codes_split(
+    layout, monkeypatch
+):
+    """Params split over an inner mesh axis: each device codes, packs and
+    sends its own block of the outer gradient, and the result is the one of
+    replicated params: the random bits hash each element's global index, so
+    the codes are the same; the scales, reductions over a split leaf, may
+    differ in their last bit."""
+    params, grads_seq = _big_params(), _big_grads(4, workers=4)
+    monkeypatch.setitem(LAYOUTS, layout, (*LAYOUTS[layout][:3], BIG_2D_SPECS[layout]))
+    stacked, state, compiled = run_stacked(_ternary_diloco(), params, grads_seq, layout)
+    want, want_state, replicated = run_stacked(
+        _ternary_diloco(), params, grads_seq, "2d-replicated"
+    )
+    # Two syncs (H = 2): a code off by one would move an element by ~0.1.
+    for name in params:
+        np.testing.assert_allclose(
+            np.asarray(stacked[name]), np.asarray(want[name]), rtol=0, atol=2e-6
+        )
+    (residual,), (want_residual,) = (
+        [s.residual for s in st.reduction_states] for st in (state, want_state)
+    )
+    # The fragment's leaves in the params' order (b, v, w), then presence;
+    # b, below min_size, has no residual.
+    for name, index in (("v", 1), ("w", 2)):
+        got, wanted = residual[index], want_residual[index]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(wanted), atol=2e-6)
+        spec = P("data", *BIG_2D_SPECS[layout][name])
+        assert got.sharding.is_equivalent_to(
+            jax.NamedSharding(stacked_mesh(layout), spec), got.ndim
+        ), (name, got.sharding.spec)
+    if layout == "2d-auto-tp":
+        # On Auto axes the compiler lays the codes out (it moves them over
+        # `model` to pack them whole): see the ternary guide.
+        return
+    assert _integer_moves(compiled) == []
+    # Each device sends the words of its half of w and v: half the words
+    # of replicated params (10 codes a word with 4 workers, each block
+    # padded to whole words), plus the scales and the exact leaves.
+    codes_bytes = [r.nbytes for r in ga.all_reduces(compiled)]
+    replicated_bytes = [r.nbytes for r in ga.all_reduces(replicated)]
+    assert max(replicated_bytes) == _word_bytes(64 * 32) + _word_bytes(32 * 32)
+    assert max(codes_bytes) == _word_bytes(64 * 32 // 2) + _word_bytes(32 * 32 // 2)
+    assert 0.5 <= sum(codes_bytes) / sum(replicated_bytes) <= 0.52
 
 
 # --- Streaming DiLoCo: fragments ---------------------------------------------

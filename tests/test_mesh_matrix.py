@@ -229,7 +229,9 @@ def bfloat16_grads_window(params, layout):
 
 
 def ternary_accumulate(params, layout):
-    tx = ga.ternary_accumulate(optax.sgd(1.0), K, seed=3)
+    # min_size=64: w1 (128 elements) is coded, w2 and b1 are summed exactly;
+    # at the default 256 nothing of this model would be.
+    tx = ga.ternary_accumulate(optax.sgd(1.0), K, seed=3, min_size=64)
     return _run_updates(
         tx, params, _grads(params["w1"].dtype, K + 1), layout, flush=True
     )[0], ()

@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax._ternary import _random
+from gradaccum_jax._ternary._quantize import scale_and_bound
+from helpers import moved_arrays
 
 # (mesh shape, mesh axes, the weight's spec, the bias's spec, dtype)
 LAYOUTS = {
@@ -35,6 +37,14 @@ LAYOUTS = {
         jnp.float32,
     ),
     "fsdp-bfloat16": ((8,), ("data",), P("data", None), P("data"), jnp.bfloat16),
+    # Megatron's second layer: split by rows.
+    "tensor-parallel-rows": (
+        (4, 2),
+        ("data", "model"),
+        P("model", None),
+        P(None),
+        jnp.float32,
+    ),
 }
 
 
@@ -137,6 +147,34 @@ def test_random_bits_are_sharded_like_the_leaf_and_do_not_depend_on_it():
         np.testing.assert_array_equal(sharded, expected, err_msg=str(spec))
 
 
+def test_a_devices_block_draws_the_bits_and_scale_of_the_whole_leaf():
+    """Inside a shard_map manual over the axes that split a leaf, a device
+    sees its block only: told the split, it draws its elements' bits of the
+    whole leaf and takes the whole leaf's scale."""
+    stream = _random.stream(_random.seed_state(7), 2)
+    leaf = jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)), jnp.float32)
+    expected_bits = np.asarray(_random.bits(stream, leaf))
+    expected_scale = scale_and_bound(leaf, 2.5, tight=True)[0]
+    specs = (
+        P("data", None),
+        P(None, "model"),
+        P("data", "model"),
+        P(("model", "data")),
+    )
+    with jax.set_mesh(_mesh((4, 2), ("data", "model"))):
+        for spec in specs:
+
+            def block(x, spec=spec):
+                scale = scale_and_bound(x, 2.5, tight=True, split=tuple(spec))[0]
+                return _random.bits(stream, x, tuple(spec)), scale
+
+            bits, scale = jax.jit(
+                jax.shard_map(block, in_specs=spec, out_specs=(spec, P()))
+            )(jax.device_put(leaf, spec))
+            np.testing.assert_array_equal(bits, expected_bits, err_msg=str(spec))
+            np.testing.assert_allclose(scale, expected_scale, rtol=1e-6)
+
+
 # --- a per-device window restored on another number of devices -----------
 
 
@@ -188,3 +226,95 @@ def test_a_per_device_window_restored_on_fewer_devices_is_a_clear_error(axis_typ
         _, fresh = step(params, fresh, jax.device_put(x, P("data")))
         assert fresh.acc_grads.local.code_sums["w"].shape == (4, 16, 32)
         assert int(fresh.mini_step) == 1
+
+
+# --- a ternary window reduction of tensor-parallel terms -------------------
+
+# Leaves above the default min_size (256): u by columns, v by rows, and a
+# bias below it, summed exactly.
+TP_SPECS = {"u": P(None, "model"), "v": P("model", None), "c": P("model")}
+
+
+def _window_sums(specs, *, seed=3):
+    """Two windows of 2 micro-batches of per-device gradients on the
+    ``data`` 4 x ``model`` 2 mesh; their emitted updates, and the compiled
+    step."""
+    rng = np.random.default_rng(0)
+    params = {
+        "u": jnp.asarray(rng.standard_normal((16, 64)), jnp.float32),
+        "v": jnp.asarray(rng.standard_normal((64, 8)), jnp.float32),
+        "c": jnp.asarray(rng.standard_normal(64), jnp.float32),
+    }
+
+    def loss_fn(params, x):
+        # Elementwise in each param: no contraction over `model`.
+        wide = jnp.tanh(x[:, :, None] * params["u"] + params["c"])
+        tall = jnp.tanh(x[:, :8, None, None] * params["v"].T[None, :, :, None])
+        return jnp.mean(wide) + jnp.mean(tall)
+
+    opt = ga.MultiSteps(
+        optax.sgd(1.0),
+        2,
+        unreduced_axes="data",
+        window_reduction=ga.ternary_window_reduction(seed),
+    )
+    grad_fn = ga.local_value_and_grad(loss_fn, "data")
+
+    def step(params, state, x):
+        return opt.update(grad_fn(params, x)[1], state, params)
+
+    with jax.set_mesh(_mesh((4, 2), ("data", "model"))):
+        params = jax.device_put(params, specs)
+        state = jax.jit(opt.init)(params)
+        step = jax.jit(step)
+        emitted = []
+        for _ in range(4):
+            x = jax.device_put(rng.standard_normal((16, 16), np.float32), P("data"))
+            updates, state = jax.block_until_ready(step(params, state, x))
+            emitted.append(updates)
+        compiled = step.lower(params, state, x).compile()
+    return emitted[1::2], compiled
+
+
+def test_ternary_window_reduction_of_tensor_parallel_terms_keeps_their_split():
+    """Each device codes and sends its own block of a split term, with the
+    scale and the random bits of the whole leaf: the codes of replicated
+    params, and half their words on the wire."""
+    emitted, compiled = _window_sums(TP_SPECS)
+    replicated, replicated_compiled = _window_sums(
+        jax.tree.map(lambda _: P(), TP_SPECS)
+    )
+    for got, want in zip(emitted, replicated, strict=True):
+        assert _specs(got) == TP_SPECS
+        # A code off by one would move an element of u by a sixteenth of
+        # its scale: 1e-6 of it is rounding.
+        _assert_same_values(got, want)
+    # Nothing moves between devices in the emission but the all-reduces.
+    loop = [move for move in moved_arrays(compiled) if move[2] != "entry"]
+    assert loop == []
+    # Codes: 10 per uint32 word with 4 devices, each device's half of u
+    # (1024 codes) and of v (512), instead of the whole leaves.
+    words = sorted(r.nbytes for r in ga.all_reduces(compiled))
+    replicated_words = sorted(r.nbytes for r in ga.all_reduces(replicated_compiled))
+    assert -(-512 // 10) * 4 + -(-256 // 10) * 4 in words
+    assert -(-1024 // 10) * 4 + -(-512 // 10) * 4 in replicated_words
+    # With the scales, the exact bias and the window weight: 460 bytes a
+    # device against 888.
+    assert 0.5 <= sum(words) / sum(replicated_words) <= 0.52
+
+
+def test_a_per_device_ternary_window_of_tensor_parallel_params_is_a_clear_error():
+    """Each device's ternary window is a function of its whole term; with
+    the leaf split over `model` the message points at the window reduction,
+    which keeps the split."""
+    opt = ga.ternary_accumulate(optax.sgd(1.0), 2, unreduced_axes="data")
+    with jax.set_mesh(_mesh((4, 2), ("data", "model"))):
+        params = jax.device_put(
+            _tree(0, jnp.float32), {"w": P(None, "model"), "b": P()}
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"Param \['w'\] \(float32\[16,32@model\]\) is split over mesh "
+            r"axis 'model'(.|\n)*window_reduction=ternary_window_reduction",
+        ):
+            jax.jit(opt.init)(params)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _checks
-from gradaccum_jax._ternary import _random
+from gradaccum_jax._ternary import _blocks, _random
 
 # TWN (Li & Liu 2016): delta = 0.7 * E|x| approximates the threshold that
 # minimizes the L2 error of a ternary code for uniform or Gaussian values.
@@ -43,6 +43,7 @@ def scale_and_bound(
     weight: jax.Array | None = None,
     *,
     tight: bool = False,
+    split: _blocks.Split = _blocks.WHOLE,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The scale and clipping bound of ``v``, and whether v is all finite.
 
@@ -80,13 +81,19 @@ def scale_and_bound(
     reducing ``weight * x`` would first write it out, a parameter-sized
     temporary and a whole extra pass. ``max|w x| = |w| max|x|`` exactly
     (rounding is monotone), and ``rms(w x) = |w| rms(x)`` up to rounding.
+
+    ``x`` may be one device's block of the tensor, split as ``split`` over
+    manual mesh axes (see `_blocks`): the sum and the maximum then cover
+    the whole tensor, one scalar collective each.
     """
-    sum_sq = jnp.sum(jnp.square(x))
+    sum_sq = _blocks.total(jnp.sum(jnp.square(x)), split)
     magnitude = jnp.float32(1.0) if weight is None else jnp.abs(weight)
     bound = (
         jnp.float32(jnp.inf)
         if clip_sigma is None
-        else clip_sigma * magnitude * jnp.sqrt(sum_sq / max(x.size, 1))
+        else clip_sigma
+        * magnitude
+        * jnp.sqrt(sum_sq / max(_blocks.size(x.size, split), 1))
     )
     if clip_sigma is not None and not tight:
         return bound, bound, jnp.isfinite(bound)
@@ -94,7 +101,7 @@ def scale_and_bound(
     # plain ones as YNNPACK kernels, and a variadic one through its generic
     # reduction loop, measured 1.4x slower than both plain ones together on
     # 16 MB (3.6x on 4 MB).
-    max_abs = magnitude * jnp.max(jnp.abs(x), initial=0.0)
+    max_abs = magnitude * _blocks.maximum(jnp.max(jnp.abs(x), initial=0.0), split)
     # A non-finite weight makes v non-finite; |w| * max|x| is then inf or
     # NaN, and NaN is not finite either.
     finite = ~jnp.isnan(sum_sq) & jnp.isfinite(max_abs)
@@ -141,10 +148,15 @@ def codes_from_bits(
 
 
 def stochastic_codes(
-    x: jax.Array, scale: jax.Array, bound: jax.Array, stream: jax.Array
+    x: jax.Array,
+    scale: jax.Array,
+    bound: jax.Array,
+    stream: jax.Array,
+    split: _blocks.Split = _blocks.WHOLE,
 ) -> jax.Array:
-    """`codes_from_bits` with the draws of a `_random.stream`."""
-    return codes_from_bits(x, scale, bound, _random.bits(stream, x))
+    """`codes_from_bits` with the draws of a `_random.stream` (``x`` a block
+    split as ``split``: its elements' draws in the whole tensor)."""
+    return codes_from_bits(x, scale, bound, _random.bits(stream, x, split))
 
 
 def poison_if_nonfinite(finite: jax.Array, scale: jax.Array) -> jax.Array:

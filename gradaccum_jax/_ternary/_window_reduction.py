@@ -6,7 +6,7 @@ import jax
 
 from gradaccum_jax import _partials
 from gradaccum_jax._ternary import _random
-from gradaccum_jax._ternary._device_mean import ternary_average_across_devices
+from gradaccum_jax._ternary._device_mean import MeanConfig, ternary_mean
 from gradaccum_jax._ternary._error_feedback import TernaryState, residual_init
 from gradaccum_jax._ternary._leaves import (
     DEFAULT_MIN_SIZE,
@@ -63,17 +63,17 @@ def ternary_window_reduction(
     def reduce_fn(terms, layout, key):
         axis = tuple(sorted(layout.axes))
         axis = axis[0] if len(axis) == 1 else axis
-        device_mean = ternary_average_across_devices(
-            axis, seed, error_feedback=False, clip_sigma=clip_sigma, min_size=min_size
-        )
+        config = MeanConfig(axis, clip_sigma, min_size, keep_residual=False)
 
-        def local(terms, key):
-            state = TernaryState(key, residual_init(terms, min_size, False))
-            means, state = device_mean.update(terms, state)
+        def local(blocks, splits, key):
+            # Each device codes its own block of a split leaf (a
+            # tensor-parallel term): nothing is gathered over its split.
+            state = TernaryState(key, residual_init(blocks, min_size, False))
+            means, state = ternary_mean(config, blocks, state, None, splits)
             num_devices = jax.lax.axis_size(axis)
             sums = jax.tree.map(lambda mean: mean * num_devices, means)
             return sums, state.key
 
-        return layout.over_terms(local)(terms, key)
+        return layout.over_term_blocks(local)(terms, key)
 
     return _partials.WindowReduction(init_fn, reduce_fn)
