@@ -124,7 +124,12 @@ class MultiSteps:
             window, decoded and reduced at the emitting call.
           unreduced_axes: mesh axes over which the gradients arrive as
             per-device terms (`local_value_and_grad`): the window is reduced
-            once, at the emitting call. Not with a skip function.
+            once, at the emitting call. Not with a skip function. Such a
+            window cannot be saved as it is: orbax raises JAX's
+            ``NotImplementedError: device_indices_map doesn't work with
+            unreduced`` (which asks for a bug report; it is not a bug).
+            Checkpoint ``reduce_window(state)`` instead, which `update`
+            accepts back (the checkpoints guide shows the code).
           window_reduction: how the per-device terms are summed at the
             emitting call (``unreduced_axes`` only): None for one exact float32
             all-reduce, or e.g. `gradaccum_jax.ternary_window_reduction`.
@@ -324,6 +329,10 @@ class MultiSteps:
         ``reduce_window(state)`` (one fused all-reduce); `update` accepts it
         back, split into terms again without moving data, and the window
         goes on exactly. Without ``unreduced_axes``: ``state`` as is.
+
+        Saving the state itself fails in orbax with JAX's
+        ``NotImplementedError: device_indices_map doesn't work with
+        unreduced``: save this function's result.
         """
         with _partials.on_mesh_of(state.acc_weight):
             return _window_ops.reduce(self._parts, state, self._parts.layout())
