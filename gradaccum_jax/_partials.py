@@ -83,6 +83,15 @@ class TermsLayout:
         """The shape of the terms of a value shaped like ``leaf``."""
         return leaf
 
+    def arrives_whole(self, grad: Any, param: Any) -> bool:
+        """Whether gradient leaf ``grad`` is whole where terms are due.
+
+        Whole: summed over the devices, as ``jax.grad`` returns it.
+        ``param`` is its param, or None where the params are not given.
+        """
+        del grad, param
+        return False
+
     def map_terms(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """``fn(local, replicated)`` on each device's own term, kept as terms.
 
@@ -230,6 +239,10 @@ class Unreduced(DeviceTerms):
     def is_weighted(self, weight: Any) -> bool:
         return bool(_tree.unreduced_axes(weight))
 
+    def arrives_whole(self, grad: Any, param: Any) -> bool:
+        del param
+        return not _tree.unreduced_axes(grad)
+
     def from_stacked(self, terms: Any) -> Any:
         """Terms stacked on a leading device axis, as unreduced arrays."""
         (axis,) = self.axes
@@ -316,6 +329,11 @@ class Stacked(DeviceTerms):
         return jax.ShapeDtypeStruct(
             (self.size, *jnp.shape(leaf)), jnp.result_type(leaf)
         )
+
+    def arrives_whole(self, grad: Any, param: Any) -> bool:
+        # Without the param a whole gradient of leading dimension `size`
+        # looks like terms: only the params tell.
+        return param is not None and jnp.shape(grad) == jnp.shape(param)
 
     def map_terms(self, fn):
         return jax.shard_map(
@@ -407,6 +425,43 @@ def _device_micro_batch(fn, device_count):
         return fn(mean, device_weight, *rest)
 
     return local
+
+
+def check_gradients_are_terms(grads: Any, params: Any, layout: TermsLayout) -> None:
+    """Raises, naming the leaf, where whole gradients reach a window of terms.
+
+    ``jax.grad``'s gradients given to an accumulator built with
+    ``unreduced_axes``: the likely mistake on that path, caught before the
+    shape checks, whose message (the terms' shape against the params') would
+    not say it.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+    param_leaves: list[Any] = [None] * len(leaves)
+    if params is not None and jax.tree.structure(params) == jax.tree.structure(grads):
+        param_leaves = jax.tree.leaves(params)
+    for (path, grad), param in zip(leaves, param_leaves, strict=True):
+        if layout.arrives_whole(grad, param):
+            raise whole_gradient_error(jax.tree_util.keystr(path), layout.axes)
+
+
+def whole_gradient_error(path: str, axes: frozenset[str]) -> ValueError:
+    """The error for a whole gradient leaf where per-device terms are due."""
+    names = sorted(axes)
+    spelled = repr(names[0]) if len(names) == 1 else repr(tuple(names))
+    local = (
+        f"gradaccum_jax.local_value_and_grad(loss_fn, {spelled})"
+        if len(names) == 1
+        else f"gradaccum_jax.local_value_and_grad (over {names})"
+    )
+    return ValueError(
+        f"Gradient leaf {path} came whole (summed over the devices, as "
+        f"jax.grad returns it), but the accumulator was built with "
+        f"unreduced_axes={spelled} and keeps one term per device. Take the "
+        f"gradients with {local} instead: each device's own term, reduced "
+        "once per window. Or, to keep jax.grad, build the accumulator without "
+        "unreduced_axes (unreduced_axes=(), the default) and init it again: "
+        "XLA then all-reduces every micro-batch's gradient."
+    )
 
 
 def check_not_sharded_over(params: Any, axes: frozenset[str], what: str) -> None:

@@ -211,15 +211,22 @@ def float_accumulator(
         return jax.tree.map(_partials.terms_layout(axes).zeros, zeros)
 
     def add(acc, grads, weight):
+        layout = _partials.terms_layout(axes)
+        weighted = layout.is_weighted(weight)
+        if jax.tree.structure(grads) == jax.tree.structure(acc):
+            # Before the shape check: stacked terms and a whole gradient
+            # differ in shape, and only this check says why.
+            jax.tree_util.tree_map_with_path(
+                lambda path, a, g: _check_arrival(path, layout, a, g, weighted),
+                acc,
+                grads,
+            )
         _checks.same_structure(
             grads, acc, "gradients", "the accumulator (built from the params at init)"
         )
-        layout = _partials.terms_layout(axes)
-        weighted = layout.is_weighted(weight)
         weight = weight.astype(dtype)
 
         def add_leaf(path, a, g):
-            _check_arrival(path, layout, a, g, weighted)
             g = g.astype(a.dtype)
             if weighted:
                 return a + g
@@ -327,6 +334,12 @@ def _check_arrival(
     leaves are no gradient's shape: only the leading device axis is checked).
     """
     if isinstance(layout, _partials.Stacked):
+        if acc is not None:
+            one_term = jax.ShapeDtypeStruct(jnp.shape(acc)[1:], jnp.result_type(acc))
+            if layout.arrives_whole(grad, one_term):
+                raise _partials.whole_gradient_error(
+                    jax.tree_util.keystr(path), layout.axes
+                )
         expected = (layout.size,) if acc is None else jnp.shape(acc)
         if jnp.shape(grad)[: len(expected)] != expected or (
             acc is not None and jnp.shape(grad) != expected
@@ -335,10 +348,14 @@ def _check_arrival(
                 f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
                 f"{jnp.shape(grad)}; on an Auto mesh the window keeps one term "
                 f"per device stacked on a leading axis of size {layout.size}: "
-                "pass the stacked per-device gradients of local_value_and_grad."
+                "pass the stacked per-device gradients of local_value_and_grad, "
+                "or build the accumulator without unreduced_axes to take "
+                "jax.grad's whole gradients."
             )
         return
     grad_axes = _tree.unreduced_axes(grad)
+    if layout.arrives_whole(grad, None):
+        raise _partials.whole_gradient_error(jax.tree_util.keystr(path), layout.axes)
     if grad_axes != layout.axes:
         raise ValueError(
             f"Gradient leaf {jax.tree_util.keystr(path)} is unreduced over mesh "

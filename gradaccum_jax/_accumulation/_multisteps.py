@@ -216,6 +216,7 @@ class MultiSteps:
         check_state(state, "update")
         _checks.floating_leaves(updates, "gradients")
         layout = self._parts.layout()
+        _partials.check_gradients_are_terms(updates, params, layout)
         if params is not None:
             _checks.same_structure(
                 updates,
