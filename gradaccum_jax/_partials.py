@@ -427,43 +427,6 @@ def _device_micro_batch(fn, device_count):
     return local
 
 
-def check_gradients_are_terms(grads: Any, params: Any, layout: TermsLayout) -> None:
-    """Raises, naming the leaf, where whole gradients reach a window of terms.
-
-    ``jax.grad``'s gradients given to an accumulator built with
-    ``unreduced_axes``: the likely mistake on that path, caught before the
-    shape checks, whose message (the terms' shape against the params') would
-    not say it.
-    """
-    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-    param_leaves: list[Any] = [None] * len(leaves)
-    if params is not None and jax.tree.structure(params) == jax.tree.structure(grads):
-        param_leaves = jax.tree.leaves(params)
-    for (path, grad), param in zip(leaves, param_leaves, strict=True):
-        if layout.arrives_whole(grad, param):
-            raise whole_gradient_error(jax.tree_util.keystr(path), layout.axes)
-
-
-def whole_gradient_error(path: str, axes: frozenset[str]) -> ValueError:
-    """The error for a whole gradient leaf where per-device terms are due."""
-    names = sorted(axes)
-    spelled = repr(names[0]) if len(names) == 1 else repr(tuple(names))
-    local = (
-        f"gradaccum_jax.local_value_and_grad(loss_fn, {spelled})"
-        if len(names) == 1
-        else f"gradaccum_jax.local_value_and_grad (over {names})"
-    )
-    return ValueError(
-        f"Gradient leaf {path} came whole (summed over the devices, as "
-        f"jax.grad returns it), but the accumulator was built with "
-        f"unreduced_axes={spelled} and keeps one term per device. Take the "
-        f"gradients with {local} instead: each device's own term, reduced "
-        "once per window. Or, to keep jax.grad, build the accumulator without "
-        "unreduced_axes (unreduced_axes=(), the default) and init it again: "
-        "XLA then all-reduces every micro-batch's gradient."
-    )
-
-
 def check_not_sharded_over(params: Any, axes: frozenset[str], what: str) -> None:
     """Raises if a param is sharded over an axis its gradient is a sum over.
 

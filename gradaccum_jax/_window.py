@@ -213,17 +213,7 @@ def float_accumulator(
     def add(acc, grads, weight):
         layout = _partials.terms_layout(axes)
         weighted = layout.is_weighted(weight)
-        if jax.tree.structure(grads) == jax.tree.structure(acc):
-            # Before the shape check: stacked terms and a whole gradient
-            # differ in shape, and only this check says why.
-            jax.tree_util.tree_map_with_path(
-                lambda path, a, g: _check_arrival(path, layout, a, g, weighted),
-                acc,
-                grads,
-            )
-        _checks.same_structure(
-            grads, acc, "gradients", "the accumulator (built from the params at init)"
-        )
+        _check_window_arrival(acc, grads, layout, weighted)
         weight = weight.astype(dtype)
 
         def add_leaf(path, a, g):
@@ -325,6 +315,23 @@ def _zeros_in(params: Any, dtype: jnp.dtype) -> Any:
     )
 
 
+def _check_window_arrival(
+    acc: Any, grads: Any, layout: _partials.TermsLayout, weighted: bool
+) -> None:
+    """Raises unless ``grads`` fit the float window ``acc`` in its layout.
+
+    The terms' form is checked before the shapes: stacked terms and a whole
+    gradient differ in shape, and only the form's check says why.
+    """
+    if jax.tree.structure(grads) == jax.tree.structure(acc):
+        jax.tree_util.tree_map_with_path(
+            lambda path, a, g: _check_arrival(path, layout, a, g, weighted), acc, grads
+        )
+    _checks.same_structure(
+        grads, acc, "gradients", "the accumulator (built from the params at init)"
+    )
+
+
 def _check_arrival(
     path: Any, layout: _partials.TermsLayout, acc: Any, grad: Any, weighted: bool
 ) -> None:
@@ -337,7 +344,7 @@ def _check_arrival(
         if acc is not None:
             one_term = jax.ShapeDtypeStruct(jnp.shape(acc)[1:], jnp.result_type(acc))
             if layout.arrives_whole(grad, one_term):
-                raise _partials.whole_gradient_error(
+                raise _checks.whole_gradient_error(
                     jax.tree_util.keystr(path), layout.axes
                 )
         expected = (layout.size,) if acc is None else jnp.shape(acc)
@@ -355,7 +362,7 @@ def _check_arrival(
         return
     grad_axes = _tree.unreduced_axes(grad)
     if layout.arrives_whole(grad, None):
-        raise _partials.whole_gradient_error(jax.tree_util.keystr(path), layout.axes)
+        raise _checks.whole_gradient_error(jax.tree_util.keystr(path), layout.axes)
     if grad_axes != layout.axes:
         raise ValueError(
             f"Gradient leaf {jax.tree_util.keystr(path)} is unreduced over mesh "
