@@ -238,6 +238,47 @@ def same_structure(
             )
 
 
+def gradients_as_terms(grads: Any, params: Any, layout: Any) -> None:
+    """Raises unless ``grads`` are gradients of ``params`` in ``layout``'s form.
+
+    ``layout`` is the window's `TermsLayout`; ``params`` may be None. Whole
+    gradients where per-device terms are due (``jax.grad``'s, given to an
+    accumulator built with ``unreduced_axes``) are the likely mistake on
+    that path: they get their own error, before the shapes are compared
+    (stacked terms against the params' shapes would not say why).
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+    param_leaves: list[Any] = [None] * len(leaves)
+    if params is not None and jax.tree.structure(params) == jax.tree.structure(grads):
+        param_leaves = jax.tree.leaves(params)
+    for (path, grad), param in zip(leaves, param_leaves, strict=True):
+        if layout.arrives_whole(grad, param):
+            raise whole_gradient_error(jax.tree_util.keystr(path), layout.axes)
+    if params is not None:
+        terms = jax.tree.map(layout.arrival_shape, params)
+        same_structure(grads, terms, "gradients", "params")
+
+
+def whole_gradient_error(path: str, axes: frozenset[str]) -> ValueError:
+    """The error for a whole gradient leaf where per-device terms are due."""
+    names = sorted(axes)
+    spelled = repr(names[0]) if len(names) == 1 else repr(tuple(names))
+    local = (
+        f"gradaccum_jax.local_value_and_grad(loss_fn, {spelled})"
+        if len(names) == 1
+        else f"gradaccum_jax.local_value_and_grad (over {names})"
+    )
+    return ValueError(
+        f"Gradient leaf {path} came whole (summed over the devices, as "
+        f"jax.grad returns it), but the accumulator was built with "
+        f"unreduced_axes={spelled} and keeps one term per device. Take the "
+        f"gradients with {local} instead: each device's own term, reduced "
+        "once per window. Or, to keep jax.grad, build the accumulator without "
+        "unreduced_axes (unreduced_axes=(), the default) and init it again: "
+        "XLA then all-reduces every micro-batch's gradient."
+    )
+
+
 def floating_leaves(tree: Any, what: str) -> None:
     """Raises if any leaf of ``tree`` is not a floating-point array."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:

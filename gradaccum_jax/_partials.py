@@ -83,6 +83,15 @@ class TermsLayout:
         """The shape of the terms of a value shaped like ``leaf``."""
         return leaf
 
+    def arrives_whole(self, grad: Any, param: Any) -> bool:
+        """Whether gradient leaf ``grad`` is whole where terms are due.
+
+        Whole: summed over the devices, as ``jax.grad`` returns it.
+        ``param`` is its param, or None where the params are not given.
+        """
+        del grad, param
+        return False
+
     def map_terms(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """``fn(local, replicated)`` on each device's own term, kept as terms.
 
@@ -236,6 +245,10 @@ class Unreduced(DeviceTerms):
     def is_weighted(self, weight: Any) -> bool:
         return bool(_tree.unreduced_axes(weight))
 
+    def arrives_whole(self, grad: Any, param: Any) -> bool:
+        del param
+        return not _tree.unreduced_axes(grad)
+
     def from_stacked(self, terms: Any) -> Any:
         """Terms stacked on a leading device axis, as unreduced arrays."""
         (axis,) = self.axes
@@ -337,6 +350,11 @@ class Stacked(DeviceTerms):
         return jax.ShapeDtypeStruct(
             (self.size, *jnp.shape(leaf)), jnp.result_type(leaf)
         )
+
+    def arrives_whole(self, grad: Any, param: Any) -> bool:
+        # Without the param a whole gradient of leading dimension `size`
+        # looks like terms: only the params tell.
+        return param is not None and jnp.shape(grad) == jnp.shape(param)
 
     def map_terms(self, fn):
         return jax.shard_map(

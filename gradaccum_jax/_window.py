@@ -236,15 +236,12 @@ def float_accumulator(
         return jax.tree.map(_partials.terms_layout(axes).zeros, zeros)
 
     def add(acc, grads, weight):
-        _checks.same_structure(
-            grads, acc, "gradients", "the accumulator (built from the params at init)"
-        )
         layout = _partials.terms_layout(axes)
         weighted = layout.is_weighted(weight)
+        _check_window_arrival(acc, grads, layout, weighted)
         weight = weight.astype(dtype)
 
         def add_leaf(path, a, g):
-            _check_arrival(path, layout, a, g, weighted)
             g = g.astype(a.dtype)
             if weighted:
                 return a + g
@@ -343,6 +340,23 @@ def _zeros_in(params: Any, dtype: jnp.dtype) -> Any:
     )
 
 
+def _check_window_arrival(
+    acc: Any, grads: Any, layout: _partials.TermsLayout, weighted: bool
+) -> None:
+    """Raises unless ``grads`` fit the float window ``acc`` in its layout.
+
+    The terms' form is checked before the shapes: stacked terms and a whole
+    gradient differ in shape, and only the form's check says why.
+    """
+    if jax.tree.structure(grads) == jax.tree.structure(acc):
+        jax.tree_util.tree_map_with_path(
+            lambda path, a, g: _check_arrival(path, layout, a, g, weighted), acc, grads
+        )
+    _checks.same_structure(
+        grads, acc, "gradients", "the accumulator (built from the params at init)"
+    )
+
+
 def _check_arrival(
     path: Any, layout: _partials.TermsLayout, acc: Any, grad: Any, weighted: bool
 ) -> None:
@@ -352,6 +366,12 @@ def _check_arrival(
     leaves are no gradient's shape: only the leading device axis is checked).
     """
     if isinstance(layout, _partials.Stacked):
+        if acc is not None:
+            one_term = jax.ShapeDtypeStruct(jnp.shape(acc)[1:], jnp.result_type(acc))
+            if layout.arrives_whole(grad, one_term):
+                raise _checks.whole_gradient_error(
+                    jax.tree_util.keystr(path), layout.axes
+                )
         expected = (layout.size,) if acc is None else jnp.shape(acc)
         if jnp.shape(grad)[: len(expected)] != expected or (
             acc is not None and jnp.shape(grad) != expected
@@ -360,10 +380,14 @@ def _check_arrival(
                 f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
                 f"{jnp.shape(grad)}; on an Auto mesh the window keeps one term "
                 f"per device stacked on a leading axis of size {layout.size}: "
-                "pass the stacked per-device gradients of local_value_and_grad."
+                "pass the stacked per-device gradients of local_value_and_grad, "
+                "or build the accumulator without unreduced_axes to take "
+                "jax.grad's whole gradients."
             )
         return
     grad_axes = _tree.unreduced_axes(grad)
+    if layout.arrives_whole(grad, None):
+        raise _checks.whole_gradient_error(jax.tree_util.keystr(path), layout.axes)
     if grad_axes != layout.axes:
         raise ValueError(
             f"Gradient leaf {jax.tree_util.keystr(path)} is unreduced over mesh "

@@ -758,3 +758,63 @@ def test_complex_gradients_noise_scale_uses_the_squared_modulus():
     trace = 2 * (a - mean_sq)
     np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-6)
     np.testing.assert_allclose(stats.grad_sq_norm, mean_sq - trace / 2, rtol=1e-6)
+
+
+# --- an inner state holding a typed PRNG key ----------------------------------
+
+KEYED_WRAPPERS = {
+    "MultiSteps": lambda opt: MultiSteps(opt, 2),
+    "accumulate": lambda opt: accumulate(opt, 2),
+    # Constant micro-batches: the ternary window's codes are exact.
+    "ternary_accumulate": lambda opt: gradaccum_jax.ternary_accumulate(
+        opt, 2, clip_sigma=None, min_size=1
+    ),
+}
+# Windows of equal micro-batches, then a partial window (for `flush`).
+KEYED_GRADS = [{"w": jnp.full((4,), g)} for g in (1.0, 1.0, 3.0, 3.0, 2.0)]
+
+
+def _noisy_sgd():
+    # A typed key (jax.random.key), whose concrete arrays have no `astype`.
+    return optax.noisy_sgd(0.1, key=jax.random.key(0))
+
+
+@EAGER_AND_JIT
+@pytest.mark.parametrize("wrapper", sorted(KEYED_WRAPPERS))
+def test_typed_prng_key_in_the_inner_state_matches_optax(wrapper, compile_fn):
+    tx = KEYED_WRAPPERS[wrapper](_noisy_sgd())
+    params = {"w": jnp.arange(4.0)}
+    outputs, state = run(tx, KEYED_GRADS, params, compile_fn=compile_fn)
+    flushed, flushed_state = compile_fn(tx.flush)(state, params)
+    # optax's MultiSteps given the last micro-batch twice: a window whose mean
+    # is the flushed partial window's.
+    reference, _ = run(
+        optax.MultiSteps(_noisy_sgd(), 2), [*KEYED_GRADS, KEYED_GRADS[-1]], params
+    )
+    for ours, theirs in zip([*outputs, flushed], reference, strict=True):
+        np.testing.assert_allclose(ours["w"], theirs["w"], rtol=1e-6, atol=1e-7)
+    # The noise is there: the emitted updates are not minus lr times the mean.
+    assert float(jnp.max(jnp.abs(flushed["w"] + 0.2))) > 1e-3
+    key = jax.tree.leaves(flushed_state.inner_opt_state)[-1]
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert int(tx.stats(flushed_state).gradient_steps) == 3
+
+
+@EAGER_AND_JIT
+def test_gradients_through_update_with_a_typed_prng_key_match_optax(compile_fn):
+    def final_loss(params, make_tx):
+        tx = make_tx(_noisy_sgd())
+        state = tx.init(params)
+        for grads in KEYED_GRADS[:2]:
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        return jnp.sum(params["w"] ** 2)
+
+    def grad_fn(make_tx):
+        return compile_fn(jax.grad(lambda params: final_loss(params, make_tx)))
+
+    params = {"w": jnp.arange(4.0)}
+    ours = grad_fn(KEYED_WRAPPERS["MultiSteps"])(params)
+    reference = grad_fn(lambda opt: optax.MultiSteps(opt, 2))(params)
+    chex.assert_trees_all_close(ours, reference, rtol=1e-6)
+    assert float(jnp.min(jnp.abs(ours["w"]))) > 0.1

@@ -15,6 +15,7 @@ and uint32 (PRNG key data) leaves, and bfloat16 params.
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,8 +25,16 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import AxisType
 
 import gradaccum_jax as ga
+
+CHECKPOINTS_GUIDE = (
+    pathlib.Path(__file__).resolve().parent.parent
+    / "docs"
+    / "guides"
+    / "checkpoints.md"
+)
 
 STEPS = 11
 SAVE_AT = 5  # with every_k = 3: one window emitted, two micro-steps into the next
@@ -260,3 +269,42 @@ def test_resume_mid_window_is_bit_identical(case, tmp_path):
 def test_resume_with_a_fresh_transformation_is_bit_identical(case, tmp_path):
     """A new process builds a new transformation: no Python-side state."""
     _assert_resume_is_bit_identical(case, tmp_path, fresh_transformation=True)
+
+
+# --- unreduced windows --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: ga.MultiSteps(optax.sgd(1.0), 2, unreduced_axes="data"),
+        # Its window is stacked, its weight unreduced.
+        lambda: ga.ternary_accumulate(optax.sgd(1.0), 2, unreduced_axes="data"),
+    ],
+    ids=["MultiSteps", "ternary_accumulate"],
+)
+def test_raw_save_of_an_unreduced_state_raises_what_the_guide_quotes(make_tx, tmp_path):
+    # orbax's save cannot be intercepted: the checkpoints guide quotes its
+    # error, so that a user searching for it finds what to save instead.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        tx = make_tx()
+        state = jax.jit(tx.init)({"w": np.zeros(2048, np.float32)})
+        with (
+            pytest.raises(NotImplementedError) as raised,
+            ocp.StandardCheckpointer() as checkpointer,
+        ):
+            checkpointer.save(tmp_path / "raw", state)
+        assert f"NotImplementedError: {raised.value}\n" in CHECKPOINTS_GUIDE.read_text()
+        # What the guide says to save instead saves.
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp_path / "reduced", tx.reduce_window(state))
+
+
+def test_unreduced_axes_docstring_says_what_to_checkpoint():
+    doc = " ".join(ga.MultiSteps.__init__.__doc__.split())
+    unreduced_axes = doc[doc.index("unreduced_axes:") : doc.index("window_reduction:")]
+    assert "checkpoint ``reduce_window(state)`` instead" in unreduced_axes
+    # reduce_window's own docstring quotes the error, for a search to find.
+    reduce_window = " ".join(ga.MultiSteps.reduce_window.__doc__.split())
+    assert "device_indices_map doesn't work with unreduced" in reduce_window

@@ -467,6 +467,46 @@ def test_unreduced_gradients_need_an_unreduced_window(mesh):
         )
 
 
+@pytest.mark.parametrize(
+    ("build", "with_params"),
+    [
+        (lambda: ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data"), True),
+        (lambda: ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data"), False),
+        (lambda: ga.ternary_accumulate(optax.sgd(1.0), K, unreduced_axes="data"), True),
+        (
+            lambda: ga.ternary_accumulate(optax.sgd(1.0), K, unreduced_axes="data"),
+            False,
+        ),
+    ],
+    ids=["MultiSteps", "MultiSteps-no-params", "ternary", "ternary-no-params"],
+)
+def test_jax_grad_gradients_for_a_window_of_terms_name_both_fixes(
+    any_mesh, build, with_params
+):
+    # jax.grad's whole gradients for an accumulator built with
+    # unreduced_axes: most likely the user wants local_value_and_grad, or
+    # else no unreduced_axes; the error says both (on an Auto mesh it used
+    # to compare the stacked terms' shape with "the params'").
+    opt = build()
+    params = jax.device_put(_params(), P())
+    state = jax.jit(opt.init)(params)
+    x, y, _ = _place(_micro_batches([16])[0])
+
+    def step(params, state, x, y):
+        grads = jax.grad(_mean_loss)(params, x, y)  # all-reduced, whole
+        return opt.update(grads, state, params if with_params else None)
+
+    with pytest.raises(ValueError, match=r"Gradient leaf \['b'\]") as raised:
+        jax.jit(step)(params, state, x, y)
+    message = str(raised.value)
+    assert "local_value_and_grad" in message
+    assert "without unreduced_axes" in message
+    if with_params or any_mesh.axis_types == (AxisType.Explicit,):
+        assert "came whole (summed over the devices, as jax.grad returns it)" in message
+        assert "local_value_and_grad(loss_fn, 'data')" in message
+        assert "unreduced_axes=(), the default" in message
+
+
 def test_unreduced_axes_and_a_skip_function_are_rejected():
     with pytest.raises(ValueError, match="`unreduced_axes` cannot be combined"):
         ga.MultiSteps(optax.sgd(1.0), K, unreduced_axes="data", skip_nonfinite=True)

@@ -10,15 +10,18 @@ and the README's links lead to files of the repository.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import inspect
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import jax.numpy as jnp
 import pytest
+from packaging.requirements import Requirement
 
 import gradaccum_jax
 
@@ -144,6 +147,81 @@ def test_readme_links_every_guide():
         str(path.relative_to(ROOT)) for path in (ROOT / "docs" / "guides").glob("*.md")
     )
     assert sorted(set(guides) - set(readme_link_targets())) == []
+
+
+# --- the README's commands and notebooks -----------------------------------
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's first bash block, comments dropped."""
+    block = re.search(r"^```bash\n(.*?)^```$", README.read_text(), re.S | re.M)
+    lines = block.group(1).splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.strip()]
+
+
+def _distribution(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def extra_distributions(extra: str) -> set[str]:
+    """What ``pip install ".[extra]"`` installs from pyproject.toml's lists
+    (the core dependencies too), its own extras expanded."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = set()
+    for line in project["dependencies"] + project["optional-dependencies"][extra]:
+        requirement = Requirement(line)
+        if _distribution(requirement.name) == _distribution(project["name"]):
+            for inner in requirement.extras:
+                names |= extra_distributions(inner)
+        else:
+            names.add(_distribution(requirement.name))
+    return names
+
+
+def demo_imports() -> set[str]:
+    """The distributions of the third-party modules gradaccum_jax.demo imports."""
+    tree = ast.parse((ROOT / "gradaccum_jax" / "demo.py").read_text())
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules.add(node.module.split(".")[0])
+    modules -= {*sys.stdlib_module_names, "__future__", "gradaccum_jax"}
+    installed = importlib.metadata.packages_distributions()
+    return {_distribution(installed.get(m, [m])[0]) for m in modules}
+
+
+def test_readme_demo_command_installs_what_the_demo_imports_and_no_dev_tools():
+    install, run = readme_commands()[0].split(" && ")
+    assert run == "python -m gradaccum_jax.demo"
+    extra = re.fullmatch(r'pip install -e "\.\[(\w+)\]"', install).group(1)
+    installed = extra_distributions(extra)
+    assert {"scikit-learn", "tqdm"} <= demo_imports()  # the parse finds them
+    assert sorted(demo_imports() - installed) == []
+    # A newcomer running the demo needs no test, docs or release tooling.
+    assert sorted(installed & {"pytest", "sphinx", "mypy", "twine", "build"}) == []
+
+
+def test_readme_test_command_installs_the_dev_extra():
+    assert readme_commands()[1] == 'pip install -e ".[dev]" && pytest'
+    assert "pytest" in extra_distributions("dev")
+
+
+def test_readme_notebook_table_lists_every_notebook_with_its_colab_badge():
+    text = README.read_text()
+    colab = "https://colab.research.google.com/github/gradaccum-jax/gradaccum_jax"
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        row = next(
+            (
+                line
+                for line in text.splitlines()
+                if f"](notebooks/{notebook.name})" in line
+            ),
+            None,
+        )
+        assert row is not None, f"{notebook.name} is not in the README's table"
+        assert f"({colab}/blob/main/notebooks/{notebook.name})" in row
 
 
 # --- the API table ---------------------------------------------------------

@@ -51,7 +51,9 @@ def accumulate(
       accumulator_dtype: floating dtype of the window sum (narrower than
         float32: of a running mean, see `float_accumulator`).
       unreduced_axes: as in `MultiSteps`: mesh axes over which gradients
-        arrive unreduced, reduced once per window.
+        arrive unreduced, reduced once per window; checkpoint
+        ``reduce_window(state)``, not the state (whose unreduced arrays
+        orbax cannot save).
       track_noise_scale: as in `MultiSteps`: estimate the gradient noise
         scale (`stats`).
       noise_scale_decay: as in `MultiSteps`.

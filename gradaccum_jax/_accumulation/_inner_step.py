@@ -184,13 +184,20 @@ def keep_dtypes(new_state: Any, old_state: Any) -> Any:
     """``new_state`` in ``old_state``'s dtypes.
 
     A loop carry must keep its dtypes; optax.MultiSteps casts the same way
-    (some optimizers promote their state on update).
+    (some optimizers promote their state on update). A leaf of an extended
+    dtype (a typed PRNG key, as in ``optax.noisy_sgd(key=jax.random.key(0))``)
+    is kept as it is: no arithmetic promotes a key, and a concrete key array
+    has no ``astype`` (it raises NotImplementedError), so casting it would
+    break every eager call while the traced one passes.
     """
-    return jax.tree.map(
-        lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
-        new_state,
-        old_state,
-    )
+
+    def cast(new: Any, old: Any) -> Any:
+        dtype = jnp.result_type(old)
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            return new
+        return jnp.asarray(new).astype(dtype)
+
+    return jax.tree.map(cast, new_state, old_state)
 
 
 def ordered_after(weight: jax.Array, tree: Any) -> jax.Array:

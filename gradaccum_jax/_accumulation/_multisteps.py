@@ -118,13 +118,13 @@ class MultiSteps:
             is as if it never happened; if True, it takes its place in the
             window with weight 0, so every window closes after exactly k
             calls, as devices that reduce across each other in ``opt`` need.
-          window_accumulator: how the window sum is stored; overrides
-            ``accumulator_dtype`` (see `WindowAccumulator`). With
-            ``unreduced_axes`` (one mesh axis) each device keeps its own
-            window, decoded and reduced at the emitting call.
+          window_accumulator: how the window sum is stored (`WindowAccumulator`);
+            overrides ``accumulator_dtype``. With ``unreduced_axes`` (one mesh
+            axis) each device keeps its own window, decoded and reduced when it emits.
           unreduced_axes: mesh axes over which the gradients arrive as
             per-device terms (`local_value_and_grad`): the window is reduced
-            once, at the emitting call. Not with a skip function.
+            once, at the emitting call. Not with a skip function. orbax cannot
+            save such a window: checkpoint ``reduce_window(state)`` instead.
           window_reduction: how the per-device terms are summed at the
             emitting call (``unreduced_axes`` only): None for one exact float32
             all-reduce, or e.g. `gradaccum_jax.ternary_window_reduction`.
@@ -211,13 +211,7 @@ class MultiSteps:
         check_state(state, "update")
         _checks.floating_leaves(updates, "gradients")
         layout = self._parts.layout()
-        if params is not None:
-            _checks.same_structure(
-                updates,
-                jax.tree.map(layout.arrival_shape, params),
-                "gradients",
-                "params",
-            )
+        _checks.gradients_as_terms(updates, params, layout)
         weight = layout.as_weight(weight, "MultiSteps.update")
         state = _window_ops.lift(self._parts, state, layout)
         state, full = _engine.add_micro_batch(
@@ -321,9 +315,11 @@ class MultiSteps:
         The window's sum, its weight and the statistics' window terms (a
         per-device ``window_accumulator``'s windows are plain stacked arrays
         already). An unreduced array cannot leave the devices: checkpoint
-        ``reduce_window(state)`` (one fused all-reduce); `update` accepts it
-        back, split into terms again without moving data, and the window
-        goes on exactly. Without ``unreduced_axes``: ``state`` as is.
+        ``reduce_window(state)`` (one fused all-reduce; orbax's save of the
+        state raises ``NotImplementedError: device_indices_map doesn't work
+        with unreduced``); `update` accepts it back, split into terms again
+        without moving data, and the window goes on exactly. Without
+        ``unreduced_axes``: ``state`` as is.
         """
         with _partials.on_mesh_of(state.acc_weight):
             return _window_ops.reduce(self._parts, state, self._parts.layout())

@@ -302,7 +302,9 @@ def ternary_accumulate(
       noise_scale_estimator: as in `MultiSteps`: ``"sampled"`` or ``"all"``.
       unreduced_axes: one mesh axis over which the gradients arrive as
         per-device terms (`local_value_and_grad`): each device keeps its own
-        ternary window, reduced once per window in float32.
+        ternary window, reduced once per window in float32. Checkpoint
+        ``reduce_window(state)``, not the state (whose unreduced window
+        weight orbax cannot save).
 
     Returns:
       An `AccumulationTransformation` (``init``, ``update``, ``flush``,
