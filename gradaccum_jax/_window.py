@@ -216,13 +216,19 @@ def float_accumulator(
         )
         layout = _partials.terms_layout(axes)
         weighted = layout.is_weighted(weight)
+        if weighted:
+            jax.tree_util.tree_map_with_path(
+                lambda path, a, g: _check_arrival(path, layout, a, g, weighted),
+                acc,
+                grads,
+            )
+            terms = jax.tree.map(lambda a, g: g.astype(a.dtype), acc, grads)
+            return layout.add_terms(acc, terms, weight)
         weight = weight.astype(dtype)
 
         def add_leaf(path, a, g):
             _check_arrival(path, layout, a, g, weighted)
             g = g.astype(a.dtype)
-            if weighted:
-                return a + g
             g_axes = _tree.unreduced_axes(g)
             # The multiply rule of an unreduced operand wants the other one
             # marked reduced over the same axes (same value on every device).
