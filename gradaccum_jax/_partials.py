@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, reshard
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _tree, _weights
@@ -71,9 +72,8 @@ class TermsLayout:
 
         ``terms`` are already weighted (``w_d g_d``, one per device, in this
         layout) and ``weight`` holds each device's ``w_d``. A device of
-        weight 0 keeps its ``acc`` as it was: a select, not ``acc + 0 * g``,
-        since a device of padding only has a NaN gradient (a 0 / 0 mean
-        loss) and whoever formed its term may have multiplied it by 0.
+        weight 0 keeps its ``acc``: a select, since a device of padding only
+        has a NaN gradient (a 0 / 0 loss), and 0 * NaN is NaN.
         """
         return jax.tree.map(lambda a, t: jnp.where(weight != 0, a + t, a), acc, terms)
 
@@ -242,30 +242,9 @@ class Unreduced(DeviceTerms):
         return bool(_tree.unreduced_axes(weight))
 
     def add_terms(self, acc: Any, terms: Any, weight: Any) -> Any:
-        # JAX has no rule for a comparison of unreduced arrays: the select
-        # runs on each device's own term, in a full-manual shard_map whose
-        # specs keep every leaf's partitions (a tensor-parallel leaf stays
-        # split: no collective, each device selects on its slice).
-        unreduced = set(self.axes)
-
-        def spec(leaf):
-            return P(*_tree.partitions(leaf), unreduced=unreduced)
-
-        def local(acc, terms, weight):
-            return TermsLayout.add_terms(self, acc, terms, weight)
-
-        acc_specs = jax.tree.map(spec, acc)
-        terms = jax.tree.map(
-            lambda t, s: t if jax.typeof(t).sharding.spec == s else reshard(t, s),
-            terms,
-            acc_specs,
-        )
-        return jax.shard_map(
-            local,
-            in_specs=(acc_specs, acc_specs, P(unreduced=unreduced)),
-            out_specs=acc_specs,
-            check_vma=False,
-        )(acc, terms, weight)
+        # No rule compares unreduced arrays: selected on each device's terms.
+        local = functools.partial(TermsLayout.add_terms, self)
+        return _tree.map_unreduced_terms(local, acc, terms, weight, self.axes)
 
     def from_stacked(self, terms: Any) -> Any:
         """Terms stacked on a leading device axis, as unreduced arrays."""
@@ -341,8 +320,7 @@ class Stacked(DeviceTerms):
         return weight is not None and jnp.ndim(weight) == 1
 
     def add_terms(self, acc: Any, terms: Any, weight: Any) -> Any:
-        def add_leaf(a, t):
-            # Device d's weight selects row d of its stacked term.
+        def add_leaf(a, t):  # device d's weight selects row d of its term
             keep = jnp.reshape(weight != 0, (self.size,) + (1,) * (jnp.ndim(a) - 1))
             return jnp.where(keep, a + t, a)
 

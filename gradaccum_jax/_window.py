@@ -217,13 +217,7 @@ def float_accumulator(
         layout = _partials.terms_layout(axes)
         weighted = layout.is_weighted(weight)
         if weighted:
-            jax.tree_util.tree_map_with_path(
-                lambda path, a, g: _check_arrival(path, layout, a, g, weighted),
-                acc,
-                grads,
-            )
-            terms = jax.tree.map(lambda a, g: g.astype(a.dtype), acc, grads)
-            return layout.add_terms(acc, terms, weight)
+            return _add_weighted_terms(layout, acc, grads, weight)
         weight = weight.astype(dtype)
 
         def add_leaf(path, a, g):
@@ -249,6 +243,18 @@ def float_accumulator(
         return jax.tree.map(_tree.zeros_like, acc)
 
     return WindowAccumulator(init, add, total, reset)
+
+
+def _add_weighted_terms(
+    layout: _partials.TermsLayout, acc: Any, grads: Any, weight: Any
+) -> Any:
+    """``acc`` plus per-device terms already weighted (``w_d g_d``), each
+    added only where its device's ``w_d`` (in ``weight``) is not 0."""
+    jax.tree_util.tree_map_with_path(
+        lambda path, a, g: _check_arrival(path, layout, a, g, True), acc, grads
+    )
+    terms = jax.tree.map(lambda a, g: g.astype(a.dtype), acc, grads)
+    return layout.add_terms(acc, terms, weight)
 
 
 class RunningMean(NamedTuple):

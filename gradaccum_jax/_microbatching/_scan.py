@@ -123,8 +123,8 @@ def weighted_sums(
 
     With ``shard``, each weighted gradient contribution goes through
     ``shard.reduce_contribution`` (a reduce-scatter for parameters gathered
-    per micro-batch) before it is added. With ``noise_terms`` the same scan
-    step also sums the micro-batches' weighted squared gradient norms.
+    per micro-batch) before it is added; with ``noise_terms`` the scan also
+    sums the micro-batches' weighted squared gradient norms.
 
     A gradient sum in an accumulator dtype narrower than float32 would
     overflow (float16: 8 micro-batches of 8192 tokens) or stop growing
@@ -182,15 +182,10 @@ def weighted_sums(
         carry, _ = accumulate(init, first)
     else:
         carry, _ = jax.lax.scan(accumulate, init, (microbatches, indices, weights))
-    acc_value, acc_grads, total_weight, *noise = carry
+    value, grads, weight, *noise = carry
+    noise_state = noise[0] if noise else None
     return WeightedSums(
-        acc_value,
-        acc_grads,
-        total_weight,
-        value_shape,
-        grads_shape,
-        running,
-        noise[0] if noise else None,
+        value, grads, weight, value_shape, grads_shape, running, noise_state
     )
 
 
