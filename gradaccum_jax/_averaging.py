@@ -73,7 +73,7 @@ def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraA
             # Scale in float32 and round once: a bfloat16 share such as
             # 37/300 would itself be off by up to 0.2%.
             wide = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
-            return jnp.where(share != 0, wide * share, 0).astype(leaf.dtype)
+            return _weights.weighted(share, wide).astype(leaf.dtype)
 
         return _device_sum(jax.tree.map(weighted_leaf, updates), axis_name), state
 

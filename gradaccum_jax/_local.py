@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _checks, _partials
+from gradaccum_jax import _checks, _partials, _weights
 from gradaccum_jax._tree import vary_over
 
 
@@ -126,8 +126,12 @@ def _device_term(
             params, *batch
         )
         weight = jnp.asarray(weight, jnp.float32)
-        scaled = jax.tree.map(lambda g: weight.astype(g.dtype) * g, grads)
-        out = ((weight * loss, weight), scaled)
+        # A device holding only padding has weight 0 and a 0 / 0 mean loss,
+        # NaN gradients included: its terms must be zeros, not 0 * NaN.
+        scaled = jax.tree.map(
+            lambda g: _weights.weighted(weight.astype(g.dtype), g), grads
+        )
+        out = ((_weights.weighted(weight, loss), weight), scaled)
     else:
         loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
         share = 1.0 / jax.lax.axis_size(axis_name)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -65,6 +66,16 @@ class TermsLayout:
         """Whether ``weight`` is per-device terms (gradients then weighted)."""
         del weight
         return False
+
+    def add_terms(self, acc: Any, terms: Any, weight: Any) -> Any:
+        """``acc + terms``, leaf by leaf, on each device whose weight is not 0.
+
+        ``terms`` are already weighted (``w_d g_d``, one per device, in this
+        layout) and ``weight`` holds each device's ``w_d``. A device of
+        weight 0 keeps its ``acc``: a select, since a device of padding only
+        has a NaN gradient (a 0 / 0 loss), and 0 * NaN is NaN.
+        """
+        return jax.tree.map(lambda a, t: jnp.where(weight != 0, a + t, a), acc, terms)
 
     def as_weight(self, weight: Any, caller: str) -> jax.Array:
         """A micro-batch's ``weight=`` validated: a float32 scalar (1 if None),
@@ -249,6 +260,11 @@ class Unreduced(DeviceTerms):
         del param
         return not _tree.unreduced_axes(grad)
 
+    def add_terms(self, acc: Any, terms: Any, weight: Any) -> Any:
+        # No rule compares unreduced arrays: selected on each device's terms.
+        local = functools.partial(TermsLayout.add_terms, self)
+        return _tree.map_unreduced_terms(local, acc, terms, weight, self.axes)
+
     def from_stacked(self, terms: Any) -> Any:
         """Terms stacked on a leading device axis, as unreduced arrays."""
         (axis,) = self.axes
@@ -336,6 +352,13 @@ class Stacked(DeviceTerms):
 
     def is_weighted(self, weight: Any) -> bool:
         return weight is not None and jnp.ndim(weight) == 1
+
+    def add_terms(self, acc: Any, terms: Any, weight: Any) -> Any:
+        def add_leaf(a, t):  # device d's weight selects row d of its term
+            keep = jnp.reshape(weight != 0, (self.size,) + (1,) * (jnp.ndim(a) - 1))
+            return jnp.where(keep, a + t, a)
+
+        return jax.tree.map(add_leaf, acc, terms)
 
     def as_weight(self, weight: Any, caller: str) -> jax.Array:
         if self.is_weighted(weight):  # stacked like the gradients

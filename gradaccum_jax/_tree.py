@@ -232,6 +232,38 @@ def reduce_unreduced(tree: Any) -> Any:
     return treedef.unflatten(leaves)
 
 
+def map_unreduced_terms(
+    fn: Any, acc: Any, terms: Any, weight: jax.Array, axes: frozenset[str]
+) -> Any:
+    """``fn(acc, terms, weight)`` on each device's own terms over ``axes``.
+
+    For an elementwise ``fn`` of unreduced arrays that JAX has no rule for
+    (a comparison, a select): it runs in a full-manual ``shard_map`` whose
+    specs keep each leaf of ``acc`` split as it is (a tensor-parallel leaf
+    stays split: no collective, each device works on its slice); ``terms``
+    are first laid out like ``acc``, the result is.
+    """
+    unreduced = set(axes)
+
+    def spec(leaf):
+        return jax.sharding.PartitionSpec(*partitions(leaf), unreduced=unreduced)
+
+    specs = jax.tree.map(spec, acc)
+    terms = jax.tree.map(
+        lambda t, s: (
+            t if jax.typeof(t).sharding.spec == s else jax.sharding.reshard(t, s)
+        ),
+        terms,
+        specs,
+    )
+    return jax.shard_map(
+        fn,
+        in_specs=(specs, specs, jax.sharding.PartitionSpec(unreduced=unreduced)),
+        out_specs=specs,
+        check_vma=False,
+    )(acc, terms, weight)
+
+
 def any_mapped_axis_bound() -> bool:
     """Whether the code is traced under ``pmap``, ``shard_map`` or a named vmap.
 

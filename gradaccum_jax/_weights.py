@@ -3,8 +3,9 @@
 A weight says how much one gradient counts in a mean: the number of
 examples or valid tokens behind it. Every weighted mean in the package (a
 window of micro-batches, the devices of a mapped axis, the micro-batches of
-one step) reads its weights through `scalar_weight` and divides through
-`share`, so they agree on what is accepted and on what an empty total means.
+one step) reads its weights through `scalar_weight`, forms each weighted
+term through `weighted` and divides through `share`, so they agree on what
+is accepted, on what a zero weight drops and on what an empty total means.
 """
 
 from __future__ import annotations
@@ -60,6 +61,19 @@ def scalar_weight(weight: Any, caller: str) -> jax.Array:
         )
     weight = jnp.asarray(weight, jnp.float32)
     return jnp.where(weight < 0, jnp.nan, weight)
+
+
+def weighted(weight: jax.Array, term: Any) -> jax.Array:
+    """``weight * term``, and 0 where ``weight`` is 0, even if ``term`` is NaN.
+
+    A zero weight means "counts for nothing": a skipped micro-batch, or a
+    micro-batch or device of padding only, whose mean loss is 0 / 0 and
+    whose gradient is NaN. As a plain product it would count that NaN
+    (``0 * NaN`` is NaN); the select drops it. The product's dtype is JAX's
+    promotion of the operands' (cast ``weight`` first to keep ``term``'s).
+    """
+    product = weight * term
+    return jnp.where(weight != 0, product, jnp.zeros_like(product))
 
 
 def share(weight: jax.Array, total: jax.Array) -> tuple[jax.Array, jax.Array]:

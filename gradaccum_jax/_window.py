@@ -239,12 +239,12 @@ def float_accumulator(
         layout = _partials.terms_layout(axes)
         weighted = layout.is_weighted(weight)
         _check_window_arrival(acc, grads, layout, weighted)
+        if weighted:
+            return _add_weighted_terms(layout, acc, grads, weight)
         weight = weight.astype(dtype)
 
         def add_leaf(path, a, g):
             g = g.astype(a.dtype)
-            if weighted:
-                return a + g
             g_axes = _tree.unreduced_axes(g)
             # The multiply rule of an unreduced operand wants the other one
             # marked reduced over the same axes (same value on every device).
@@ -265,6 +265,15 @@ def float_accumulator(
         return jax.tree.map(_tree.zeros_like, acc)
 
     return WindowAccumulator(init, add, total, reset)
+
+
+def _add_weighted_terms(
+    layout: _partials.TermsLayout, acc: Any, grads: Any, weight: Any
+) -> Any:
+    """``acc`` plus per-device terms already weighted (``w_d g_d``), each
+    added only where its device's ``w_d`` (in ``weight``) is not 0."""
+    terms = jax.tree.map(lambda a, g: g.astype(a.dtype), acc, grads)
+    return layout.add_terms(acc, terms, weight)
 
 
 class RunningMean(NamedTuple):

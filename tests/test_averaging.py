@@ -116,6 +116,47 @@ def test_zero_weight_device_is_left_out_even_if_its_updates_are_nan():
     _assert_every_device_holds(_pmap_average(updates, weights), [4.0, 8.0], 4.0)
 
 
+def test_zero_weight_device_is_left_out_under_shard_map_too(mesh):
+    weights = jnp.array([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    updates = jax.tree.map(lambda u: u.at[0].set(jnp.nan), UPDATES)
+    averaged = _shard_map_average(mesh, updates, weights)
+    _assert_every_device_holds(averaged, [4.0, 8.0], 4.0)
+
+
+@pytest.mark.parametrize(
+    "average",
+    [
+        lambda: ga.average_across_devices("d"),
+        # Every leaf below min_size: averaged exactly in float32.
+        lambda: ga.ternary_average_across_devices("d", 0, min_size=10**6),
+    ],
+    ids=["float", "ternary"],
+)
+def test_a_window_of_padding_only_on_one_device_adds_nothing(mesh, average):
+    """The end of an epoch under shard_map: device 0 sees only padding in
+    both micro-batches of the window (weight 0, NaN gradients); the window
+    is the weighted mean of the other devices' gradients."""
+    opt = ga.MultiSteps(optax.chain(average(), optax.sgd(1.0)), 2)
+    params = {"w": jnp.zeros(2)}
+    grads = jnp.stack([jnp.arange(8.0), 2.0 * jnp.arange(8.0)], axis=1)
+    grads = grads.at[0].set(jnp.nan)
+    weights = jnp.array([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+
+    def window(grads, weights):
+        state = opt.init(params)
+        for _ in range(2):
+            updates, state = opt.update(
+                {"w": grads[0]}, state, params, weight=weights[0]
+            )
+        return updates["w"][None]
+
+    updates = jax.jit(
+        jax.shard_map(window, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    )(grads, weights)
+    # Mean of devices 1..7: [4, 8], on every device.
+    np.testing.assert_array_equal(updates, -np.tile([4.0, 8.0], (N_DEVICES, 1)))
+
+
 def test_other_extra_args_are_ignored_and_it_chains():
     opt = optax.chain(ga.average_across_devices("d"), optax.sgd(1.0))
 

@@ -364,10 +364,50 @@ class TestDtypes:
         )
         chex.assert_trees_all_equal(grads, expected)
 
-    def test_accumulator_dtype_is_the_scan_carry_dtype(self):
+    def test_accumulator_dtype_is_the_gradients_scan_carry_dtype(self):
+        # The gradients' carry is bfloat16; the loss and the total weight
+        # are summed in float32.
         fn = microbatched_value_and_grad(mean_loss, 4, accumulator_dtype=jnp.bfloat16)
         carry = scan_carry_dtypes(fn, make_params(), make_batch())
-        assert carry == {jnp.dtype(jnp.bfloat16)}
+        assert carry == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
+
+    @EAGER_AND_JIT
+    def test_float16_sums_of_many_tokens_do_not_overflow(self, compile_fn):
+        # 8 micro-batches of 8192 tokens: a float16 total weight (65536) and
+        # weighted loss sum overflow at 65504; the loss came out NaN and the
+        # gradient 0.
+        def token_loss(params, batch):
+            return jnp.sum(batch["mask"] * params["w"] * batch["x"]) / jnp.sum(
+                batch["mask"]
+            )
+
+        batch = {"x": jnp.ones((8, 8192)), "mask": jnp.ones((8, 8192))}
+        fn = microbatched_value_and_grad(
+            token_loss,
+            8,
+            weight_fn=lambda micro_batch: micro_batch["mask"].sum(),
+            accumulator_dtype=jnp.float16,
+        )
+        loss, grads = compile_fn(fn)({"w": jnp.float32(1.0)}, batch)
+        chex.assert_trees_all_equal((loss, grads), (jnp.float32(1.0), {"w": 1.0}))
+
+    @EAGER_AND_JIT
+    def test_bfloat16_mean_of_512_micro_batches_is_exact(self, compile_fn):
+        # A bfloat16 total weight stops growing at 256, the sum of a
+        # gradient of 3 moves in steps of 4 past 512 and stops at 1024:
+        # the mean came out 4.0. The running mean keeps a constant exactly.
+        def loss(params, batch):
+            return jnp.mean(params["w"] * batch["x"])
+
+        batch = {"x": jnp.full((512, 1), 3.0)}
+        fn = microbatched_value_and_grad(
+            loss,
+            512,
+            weight_fn=lambda micro_batch: micro_batch["x"].shape[0],
+            accumulator_dtype=jnp.bfloat16,
+        )
+        value, grads = compile_fn(fn)({"w": jnp.float32(1.0)}, batch)
+        chex.assert_trees_all_equal((value, grads), (jnp.float32(3.0), {"w": 3.0}))
 
     @pytest.mark.parametrize("accumulator_dtype", [jnp.float32, jnp.bfloat16])
     def test_complex_grads_keep_their_imaginary_part(self, accumulator_dtype):
@@ -394,7 +434,12 @@ class TestDtypes:
             complex_loss, 4, accumulator_dtype=accumulator_dtype
         )
         carry = scan_carry_dtypes(fn, params, batch)
-        assert carry == {jnp.dtype(accumulator_dtype), jnp.dtype(jnp.complex64)}
+        # The loss and the total weight are summed in float32.
+        assert carry == {
+            jnp.dtype(accumulator_dtype),
+            jnp.dtype(jnp.complex64),
+            jnp.dtype(jnp.float32),
+        }
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no complex-to-real cast warning
             loss, grads = jax.jit(fn)(params, batch)

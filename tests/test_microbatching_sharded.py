@@ -176,3 +176,42 @@ def test_sharded_params_match_the_whole_batch(layout, mode):
         rtol=2e-2,
         atol=1e-3,
     )
+
+
+@pytest.mark.parametrize(
+    "layout, mode",
+    [
+        ("tensor-parallel", "data-axis"),
+        ("tensor-parallel", "unreduced"),
+        ("fsdp-tensor-parallel", "gather-per-microbatch"),
+    ],
+)
+def test_a_float16_accumulator_of_heavy_micro_batches_does_not_overflow(layout, mode):
+    """Micro-batches of 10,000 tokens each: a float16 sum of the weights
+    (20,000 per device, 160,000 in all) or of the weighted gradients
+    overflows at 65504. The gradients are kept as a running mean in float16
+    (sent in float16 too), the weights and the loss in float32."""
+    (mesh_shape, axis_names, axis_types), matrix_spec = LAYOUTS[layout]
+    mesh = jax.make_mesh(mesh_shape, axis_names, axis_types=axis_types)
+    fn = microbatched_value_and_grad(
+        loss_fn,
+        NUM_MICROBATCHES,
+        weight_fn=lambda micro_batch: 10_000.0,
+        accumulator_dtype=jnp.float16,
+        **MODES[mode],
+    )
+    with jax.set_mesh(mesh):
+        params, batch = place(make_params(), make_batch(), matrix_spec)
+        loss, grads = jax.jit(fn)(params, batch)
+        carry = scan_carry_dtypes(jax.make_jaxpr(fn)(params, batch).jaxpr)
+        if mode == "unreduced":
+            grads = jax.jit(reduce_unreduced)(grads)
+    expected_loss, expected_grads = whole_batch_reference()
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+    # Equal weights: the mean of the micro-batches' gradients, within
+    # float16's rounding of each micro-batch's share.
+    for name in ("w", "b"):
+        np.testing.assert_allclose(
+            grads[name], expected_grads[name], rtol=2e-3, atol=2e-4, err_msg=name
+        )
+    assert carry == {jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}

@@ -25,9 +25,8 @@ def over_data_axis(local_sums, layout, params, batch, args, kwargs):
     def device_step(params, batch, dynamic):
         args, kwargs = rebuild(dynamic)
         shard = ShardedParams(layout)
-        acc_value, acc_grads, total, value_shape, grads_shape = local_sums(
-            params, batch, args, kwargs, shard
-        )
+        sums = local_sums(params, batch, args, kwargs, shard)
+        acc_value, acc_grads, total = sums.value, sums.grads, sums.weight
         whole = jax.tree.map(
             lambda g, dim: g if dim is None else None,
             acc_grads,
@@ -46,7 +45,7 @@ def over_data_axis(local_sums, layout, params, batch, args, kwargs):
             is_leaf=is_leaf,
         )
         value, grads = weighted_means(
-            acc_value, acc_grads, total, value_shape, grads_shape
+            sums._replace(value=acc_value, grads=acc_grads, weight=total)
         )
         if layout.unreduced:
             # Each device's term, stacked along a new leading axis sharded

@@ -72,7 +72,9 @@ def microbatched_value_and_grad(
       has_aux: as in ``jax.value_and_grad``; aux leaves are weighted means.
       weight_fn: None, or ``weight_fn(microbatch) -> scalar``, the weight of
         a micro-batch (e.g. its number of valid tokens); 1 without it.
-      accumulator_dtype: floating dtype of the running sums.
+      accumulator_dtype: floating dtype of the gradient sums (a running
+        mean when narrower than float32); the loss, aux and weights are
+        summed in float32.
       key_argnum: None, or the position (>= 2) or keyword name of the PRNG
         key argument; micro-batch i gets ``jax.random.fold_in(key, i)``.
       data_axis: None, or the mesh axis the batch is sharded over: each
@@ -187,7 +189,7 @@ class _MicrobatchedStep:
             return self._with_noise_scale(params, batch, args, kwargs)
         if options.data_axis is None:
             checked_batch_size(batch, options.num_microbatches)
-            return weighted_means(*self._local_sums(params, batch, args, kwargs))
+            return weighted_means(self._local_sums(params, batch, args, kwargs))
         layout = DataLayout.of(
             options.data_axis,
             params,
@@ -221,18 +223,15 @@ class _MicrobatchedStep:
     def _with_noise_scale(self, params, batch, args, kwargs):
         """``(value, grads, estimate)``: the means and this step's noise scale."""
         microbatches = strided_split(batch, self._options.num_microbatches)
-        *sums, noise = weighted_sums(
+        sums = weighted_sums(
             self._call(params, args, kwargs, None),
             self._weight_of,
             microbatches,
             self._options.accumulator_dtype,
             noise_terms=True,
         )
-        value, grads = weighted_means(*sums)
+        value, grads = weighted_means(sums)
         estimate = _noise_scale.batch_estimate(
-            noise.sq_norm_sum,
-            noise.micro_batches,
-            sums[2].astype(jnp.float32),
-            grads,
+            sums.noise.sq_norm_sum, sums.noise.micro_batches, sums.weight, grads
         )
         return value, grads, estimate

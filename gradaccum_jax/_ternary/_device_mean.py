@@ -160,11 +160,6 @@ def _pmax_stacked(values: list[jax.Array], axis: Any) -> list[jax.Array]:
     return list(jax.lax.pmax(jnp.stack(values), axis))
 
 
-def _weighted(weight: jax.Array, leaf: jax.Array) -> jax.Array:
-    """``weight * leaf`` in float32, 0 where the weight is 0 (even for NaN)."""
-    return jnp.where(weight != 0, weight * leaf.astype(jnp.float32), 0.0)
-
-
 def _psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
     """psum of several arrays in one (variadic) all-reduce."""
     return list(jax.lax.psum(values, axis)) if values else []
@@ -281,7 +276,9 @@ def ternary_mean(
         means[i] = mean
 
     # This device's share of the mean, plus what it failed to send before.
-    inputs = {i: _weighted(share, leaves[i]) for i in compressed}
+    inputs = {
+        i: _weights.weighted(share, leaves[i].astype(jnp.float32)) for i in compressed
+    }
     if config.keep_residual:
         inputs = {i: x + residuals[i] for i, x in inputs.items()}
     scales, bounds = _common_scales(config, leaves, inputs, share, splits)
@@ -328,7 +325,7 @@ def _exact_means(
         total = jnp.float32(num_devices)
     else:
         raw = _weights.scalar_weight(weight, _CALLER)
-        sums = [_weighted(raw, leaves[i]) for i in exact]
+        sums = [_weights.weighted(raw, leaves[i].astype(jnp.float32)) for i in exact]
         total, *sums = _psum_list([raw, *sums], axis)
     share, has_weight = _weights.share(raw, total)
     inverse_total = _weights.share(jnp.float32(1.0), total)[0]
