@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _tree, _weights
+from gradaccum_jax import _placement, _tree, _weights
 
 
 class TermsLayout:
@@ -55,6 +55,15 @@ class TermsLayout:
     def reduce(self, tree: Any) -> Any:
         """Every leaf of ``tree`` (all terms) summed over the devices, in one go."""
         return tree
+
+    def placed_like(self, value: Any, like: Any) -> Any:
+        """A whole ``value`` split as ``like``, before it is lifted to terms.
+
+        Where the split is in the types (Explicit axes): a value restored
+        from host arrays has lost it. A no-op for a value already so placed.
+        """
+        del like
+        return value
 
     def holds_terms(self, leaf: Any, like: Any) -> bool:
         """Whether ``leaf`` holds terms of a value shaped like ``like``."""
@@ -184,24 +193,38 @@ class DeviceTerms(TermsLayout, abc.ABC):
             return jax.tree.map(lambda x: x[None], out) if unstack[out_kind] else out
 
         # Unreduced terms need check_vma=False (see `Unreduced.over_terms`).
-        return jax.shard_map(
+        mapped = jax.shard_map(
             local,
             in_specs=tuple(spec[kind] for kind in in_kinds),
             out_specs=spec[out_kind],
             check_vma=self._stacked,
         )
 
+        def run(*args):
+            # A per-device state restored from host arrays arrives unsplit,
+            # which an Explicit shard_map rejects (an Auto one splits it).
+            explicit = _placement.is_explicit(axis)
+            return mapped(
+                *(
+                    self.stack(arg) if kind == "s" and explicit else arg
+                    for arg, kind in zip(args, in_kinds, strict=True)
+                )
+            )
+
+        return run
+
     def stack(self, tree: Any) -> Any:
-        """``tree`` (one per device, stacked on a leading axis) sharded over it."""
+        """``tree`` (one per device, stacked on a leading axis) sharded over it.
+
+        A no-op for a tree already so placed; a tree restored from host
+        arrays is split here (a local slice of each device's row).
+        """
         (axis,) = self.axes
-        mesh = jax.sharding.get_abstract_mesh()
-
-        def place(leaf):
-            if mesh._name_to_type[axis] == AxisType.Explicit:  # one device
-                return jax.sharding.reshard(leaf, P(axis))
-            return jax.lax.with_sharding_constraint(leaf, P(axis))
-
-        return jax.tree.map(place, tree)
+        if _placement.is_explicit(axis):
+            return jax.tree.map(lambda leaf: _placement.placed(leaf, P(axis)), tree)
+        return jax.tree.map(
+            lambda leaf: jax.lax.with_sharding_constraint(leaf, P(axis)), tree
+        )
 
 
 class Unreduced(DeviceTerms):
@@ -218,6 +241,9 @@ class Unreduced(DeviceTerms):
 
     def lift(self, value: jax.Array) -> jax.Array:
         return _tree.as_unreduced(value, self.axes)
+
+    def placed_like(self, value: Any, like: Any) -> Any:
+        return _placement.placed(value, P(*_tree.partitions(like)))
 
     def reduce(self, tree: Any) -> Any:
         # Unreduced leaves are resharded together: one fused tuple all-reduce.
