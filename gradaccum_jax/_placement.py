@@ -53,6 +53,23 @@ def rows_split(leaf: Any, axis: str) -> Any:
     return placed(leaf, P(axis, *rest))
 
 
+def rows_split_like(leaf: Any, axis: str, like: Any) -> Any:
+    """`rows_split`, and where ``leaf`` is split over no other mesh axis (a
+    host array), split over them as ``like`` (one row's layout: an array or
+    a ``jax.ShapeDtypeStruct`` shaped like ``leaf[0]``).
+
+    A state restored from host arrays has lost its tensor-parallel split,
+    which the params it is combined with keep: an Explicit mesh refuses to
+    mix the two (``select cases must have the same shardings``).
+    """
+    if not is_explicit(axis):
+        return leaf
+    rest = tuple(_without(entry, axis) for entry in _tree.partitions(leaf)[1:])
+    if not _normalized(rest):
+        rest = tuple(_without(entry, axis) for entry in _tree.partitions(like))
+    return placed(leaf, P(axis, *rest))
+
+
 def split_arguments(
     args: tuple, axis: str, caller: str, first_position: int = 1
 ) -> tuple[tuple, tuple]:

@@ -25,7 +25,12 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _tree
 from gradaccum_jax._diloco._state import DiLoCoState
-from gradaccum_jax._placement import rows_split, split_arguments
+from gradaccum_jax._placement import (
+    is_explicit,
+    rows_split,
+    rows_split_like,
+    split_arguments,
+)
 
 
 def _workers_axis(axis_name: Any, caller: str) -> int:
@@ -70,6 +75,7 @@ def run_stacked(
     state: Any,
     params: Any,
     weight: Any,
+    init_fn: Callable[[Any], Any],
 ) -> tuple[Any, Any]:
     """Runs ``worker_fn(grads, state, params, weight)`` once per stacked worker.
 
@@ -77,17 +83,20 @@ def run_stacked(
     size of mesh axis ``axis_name``; ``weight`` is None, a scalar (the same
     for every worker) or one per worker (shape ``(n,)``). The results come
     back stacked the same way; nothing crosses devices but what
-    ``worker_fn``'s collectives over ``axis_name`` move.
+    ``worker_fn``'s collectives over ``axis_name`` move. ``init_fn`` (one
+    worker's ``init``) says how a state restored from host arrays is laid
+    out over the other mesh axes.
     """
     _check_stacked(params, axis_name, "diloco")
     per_worker_weight = weight is not None and np.ndim(weight) != 0
-    # Rows not yet laid out over the workers (a state restored from host
-    # arrays, a weight vector made on the host) are split here; those
-    # already split move nothing.
-    grads, state, params = jax.tree.map(
-        functools.partial(rows_split, axis=axis_name),
-        (grads, state, params),
-    )
+    # Rows not yet laid out over the workers (restored from host arrays, a
+    # weight vector made on the host) are split here, and over the other
+    # axes as the params and `init` lay them out; those already split move
+    # nothing.
+    params = jax.tree.map(functools.partial(rows_split, axis=axis_name), params)
+    if is_explicit(axis_name):  # an Auto shard_map splits its inputs itself
+        grads = _split_like(grads, params, axis_name)
+        state = _split_like(state, _state_layout(init_fn, params), axis_name)
     if per_worker_weight:
         weight = rows_split(jnp.asarray(weight), axis_name)
 
@@ -106,6 +115,29 @@ def run_stacked(
         out_specs=spec,
         axis_names={axis_name},
     )(grads, state, params, weight)
+
+
+def _split_like(tree: Any, like: Any, axis_name: str) -> Any:
+    """`rows_split_like` over ``tree``, each leaf like ``like``'s rows
+    (``tree`` as is where the structures differ: the caller's checks say
+    how)."""
+    if jax.tree.structure(tree) != jax.tree.structure(like):
+        return jax.tree.map(functools.partial(rows_split, axis=axis_name), tree)
+    return jax.tree.map(
+        lambda leaf, row: rows_split_like(leaf, axis_name, row), tree, like
+    )
+
+
+def _state_layout(init_fn: Callable[[Any], Any], stacked_params: Any) -> Any:
+    """One worker's state as ``init_fn`` lays it out for one row of the
+    stacked params (shapes and shardings only, nothing computed)."""
+
+    def row(leaf):
+        spec = P(*_tree.partitions(leaf)[1:])
+        sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), spec)
+        return jax.ShapeDtypeStruct(jnp.shape(leaf)[1:], leaf.dtype, sharding=sharding)
+
+    return jax.eval_shape(init_fn, jax.tree.map(row, stacked_params))
 
 
 def stack_workers(tree: Any, axis_name: str = "data") -> Any:

@@ -92,7 +92,9 @@ def diloco(
         )
         if axis is None or _is_bound(axis):
             return worker_fn(updates, state, params, weight)
-        return _stacked.run_stacked(worker_fn, axis, updates, state, params, weight)
+        return _stacked.run_stacked(
+            worker_fn, axis, updates, state, params, weight, init_fn
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
