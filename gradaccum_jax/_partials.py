@@ -57,11 +57,8 @@ class TermsLayout:
         return tree
 
     def placed_like(self, value: Any, like: Any) -> Any:
-        """A whole ``value`` split as ``like``, before it is lifted to terms.
-
-        Where the split is in the types (Explicit axes): a value restored
-        from host arrays has lost it. A no-op for a value already so placed.
-        """
+        """A whole ``value`` (restored from host arrays) split as ``like``
+        where the split is in the types (Explicit axes), to be lifted."""
         del like
         return value
 
@@ -214,11 +211,8 @@ class DeviceTerms(TermsLayout, abc.ABC):
         return run
 
     def stack(self, tree: Any) -> Any:
-        """``tree`` (one per device, stacked on a leading axis) sharded over it.
-
-        A no-op for a tree already so placed; a tree restored from host
-        arrays is split here (a local slice of each device's row).
-        """
+        """``tree`` (one per device, stacked on a leading axis) sharded over
+        it: a no-op if it is; host arrays are sliced where they lie."""
         (axis,) = self.axes
         if _placement.is_explicit(axis):
             return jax.tree.map(lambda leaf: _placement.placed(leaf, P(axis)), tree)

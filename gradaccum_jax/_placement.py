@@ -55,8 +55,8 @@ def rows_split(leaf: Any, axis: str) -> Any:
 
 def rows_split_like(leaf: Any, axis: str, like: Any) -> Any:
     """`rows_split`, and where ``leaf`` is split over no other mesh axis (a
-    host array), split over them as ``like`` (one row's layout: an array or
-    a ``jax.ShapeDtypeStruct`` shaped like ``leaf[0]``).
+    host array, say), split over them as ``like`` (one row's layout: an
+    array or a ``jax.ShapeDtypeStruct`` shaped like ``leaf[0]``).
 
     A state restored from host arrays has lost its tensor-parallel split,
     which the params it is combined with keep: an Explicit mesh refuses to
