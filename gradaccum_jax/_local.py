@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _checks, _partials, _weights
+from gradaccum_jax import _checks, _partials, _placement, _weights
 from gradaccum_jax._tree import vary_over
 
 
@@ -35,8 +35,12 @@ def local_value_and_grad(
 
     ``loss_fn(params, *batch)`` is evaluated on each device's shard of the
     batch (every ``batch`` argument is split along its leading dimension
-    over ``axis_name``; ``params`` are replicated). The results are
-    unreduced over ``axis_name`` (each device holds one term of the sum):
+    over ``axis_name``, here if it is not already, as a batch restored
+    from the host; a 0-d leaf such as a PRNG key goes to every device
+    whole, so fold ``jax.lax.axis_index(axis_name)`` into a key inside
+    ``loss_fn`` for a stream per device; ``params`` are replicated). The
+    results are unreduced over ``axis_name`` (each device holds one term
+    of the sum):
 
     * without weights: the loss and gradient divided by the number of
       devices, so that their sum is the mean over devices;
@@ -161,13 +165,18 @@ def _per_device_terms(
     def stacked(params, *batch):
         return jax.tree.map(lambda x: x[None], device_term(params, *batch))
 
+    # A batch restored from the host arrives unsplit: split it here (0-d
+    # arguments, a dropout key, go to every device whole).
+    batch, batch_specs = _placement.split_arguments(
+        batch, axis_name, "local_value_and_grad"
+    )
     # Manual over the data axis only: the other axes (a 2-D mesh's
     # ``model``) stay in the compiler's hands inside, so tensor-parallel
     # params keep their sharding and the loss needs no collective of its
     # own. The terms come out stacked on a leading device axis.
     terms = jax.shard_map(
         stacked,
-        in_specs=(P(), *(P(axis_name) for _ in batch)),
+        in_specs=(P(), *batch_specs),
         out_specs=P(axis_name),
         axis_names={axis_name},
     )(params, *batch)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _tree, _weights
+from gradaccum_jax import _placement, _tree, _weights
 
 
 class TermsLayout:
@@ -56,6 +56,12 @@ class TermsLayout:
     def reduce(self, tree: Any) -> Any:
         """Every leaf of ``tree`` (all terms) summed over the devices, in one go."""
         return tree
+
+    def placed_like(self, value: Any, like: Any) -> Any:
+        """A whole ``value`` (restored from host arrays) split as ``like``
+        where the split is in the types (Explicit axes), to be lifted."""
+        del like
+        return value
 
     def holds_terms(self, leaf: Any, like: Any) -> bool:
         """Whether ``leaf`` holds terms of a value shaped like ``like``."""
@@ -210,24 +216,35 @@ class DeviceTerms(TermsLayout, abc.ABC):
             return jax.tree.map(lambda x: x[None], out) if unstack[out_kind] else out
 
         # Unreduced terms need check_vma=False (see `Unreduced.over_terms`).
-        return jax.shard_map(
+        mapped = jax.shard_map(
             local,
             in_specs=tuple(spec[kind] for kind in in_kinds),
             out_specs=spec[out_kind],
             check_vma=self._stacked,
         )
 
+        def run(*args):
+            # A per-device state restored from host arrays arrives unsplit,
+            # which an Explicit shard_map rejects (an Auto one splits it).
+            explicit = _placement.is_explicit(axis)
+            return mapped(
+                *(
+                    self.stack(arg) if kind == "s" and explicit else arg
+                    for arg, kind in zip(args, in_kinds, strict=True)
+                )
+            )
+
+        return run
+
     def stack(self, tree: Any) -> Any:
-        """``tree`` (one per device, stacked on a leading axis) sharded over it."""
+        """``tree`` (one per device, stacked on a leading axis) sharded over
+        it: a no-op if it is; host arrays are sliced where they lie."""
         (axis,) = self.axes
-        mesh = jax.sharding.get_abstract_mesh()
-
-        def place(leaf):
-            if mesh._name_to_type[axis] == AxisType.Explicit:  # one device
-                return jax.sharding.reshard(leaf, P(axis))
-            return jax.lax.with_sharding_constraint(leaf, P(axis))
-
-        return jax.tree.map(place, tree)
+        if _placement.is_explicit(axis):
+            return jax.tree.map(lambda leaf: _placement.placed(leaf, P(axis)), tree)
+        return jax.tree.map(
+            lambda leaf: jax.lax.with_sharding_constraint(leaf, P(axis)), tree
+        )
 
 
 class Unreduced(DeviceTerms):
@@ -244,6 +261,9 @@ class Unreduced(DeviceTerms):
 
     def lift(self, value: jax.Array) -> jax.Array:
         return _tree.as_unreduced(value, self.axes)
+
+    def placed_like(self, value: Any, like: Any) -> Any:
+        return _placement.placed(value, P(*_tree.partitions(like)))
 
     def reduce(self, tree: Any) -> Any:
         # Unreduced leaves are resharded together: one fused tuple all-reduce.

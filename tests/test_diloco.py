@@ -948,3 +948,113 @@ def test_stack_workers_rejects_params_sharded_over_the_workers_axis(layout):
     want = jax.NamedSharding(mesh, P("data", None, "model"))
     assert stacked["w"].sharding.is_equivalent_to(want, 3), stacked["w"].sharding
     assert stacked["w"].shape == (4, 8, 4)
+
+
+# --- worker_value_and_grad: host arrays, and what jax.value_and_grad takes ----
+
+
+def _worker_loss(params, x, y):
+    return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
+
+
+def _worker_batch(seed, workers=N):
+    rs = np.random.RandomState(seed)
+    return (
+        rs.randn(2 * workers, 16).astype(np.float32),
+        rs.randn(2 * workers, 8).astype(np.float32),
+    )
+
+
+@pytest.mark.parametrize("layout", ["1d-explicit", "2d-tp"])
+def test_a_diloco_run_resumes_from_a_host_state(layout):
+    """A state saved with ``jax.device_get`` and fed back as host arrays
+    (and, on one axis, the params too): worker_value_and_grad and the update
+    split them over the workers themselves, eagerly and under jit, and lay
+    the state out over the model axis as `init` does for the params; the
+    run goes on bitwise with the same shardings. (Host params have no
+    tensor-parallel split to give back: restore those with their
+    shardings.)"""
+    mesh = stacked_mesh(layout)
+    workers = mesh.shape["data"]
+    specs = LAYOUTS[layout][3] or {"w": P(), "b": P()}
+    params = {name: p for name, p in _params().items() if name != "v"}
+    opt = ga.diloco(optax.adam(0.05), 2, axis_name="data")
+    grad_fn = ga.worker_value_and_grad(_worker_loss, "data")
+    jit_grad_fn, update = jax.jit(grad_fn), jax.jit(opt.update)
+
+    def step(params, state, x, y):
+        _, grads = jit_grad_fn(params, x, y)
+        updates, state = update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        placed = {k: jax.device_put(p, specs[k]) for k, p in params.items()}
+        stacked = ga.stack_workers(placed, "data")
+        state = ga.stack_workers(jax.jit(opt.init)(placed), "data")
+        batches = [
+            jax.device_put(_worker_batch(seed, workers), P("data")) for seed in range(3)
+        ]
+        stacked, state = step(stacked, state, *batches[0])  # mid-cycle
+        host_params, host_state = jax.device_get((stacked, state))
+        if layout != "1d-explicit":
+            host_params = stacked
+        # Eagerly, host arrays are NumPy arrays.
+        eager, expected_eager = (
+            grad_fn(p, *batches[1]) for p in (host_params, stacked)
+        )
+        runs = {"placed": (stacked, state), "host": (host_params, host_state)}
+        for name, run in runs.items():
+            for batch in batches[1:]:
+                run = step(*run, *batch)
+            runs[name] = run
+    for have, want in zip(
+        jax.tree.leaves((runs["host"], eager)),
+        jax.tree.leaves((runs["placed"], expected_eager)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(have, want)
+        assert have.sharding.is_equivalent_to(want.sharding, have.ndim)
+    anchor = runs["host"][1].anchor["w"]
+    want = jax.sharding.NamedSharding(mesh, P("data", *specs["w"]))
+    assert anchor.sharding.is_equivalent_to(want, 3)
+
+
+@pytest.mark.parametrize("layout", ["1d-explicit", "1d-auto"])
+def test_worker_value_and_grad_takes_what_value_and_grad_takes(layout):
+    """A Python number in the aux output and a 0-d PRNG key argument: each
+    worker's results are jax.value_and_grad's on its own rows, the key
+    given to every worker whole. A raw uint32 key (2 rows for 8 workers)
+    is refused by name, and so is an aux leaf that cannot be stacked."""
+
+    def loss_fn(params, x, y, key):
+        noise = jax.random.uniform(key, (x.shape[0], 1))
+        return _worker_loss(params, x * noise, y), {"count": 3, "scale": 0.5}
+
+    params = {name: p for name, p in _params().items() if name != "v"}
+    x, y = _worker_batch(0)
+    key = jax.random.key(7)
+    grad_fn = ga.worker_value_and_grad(loss_fn, "data", has_aux=True)
+    with jax.set_mesh(stacked_mesh(layout)):
+        stacked = ga.stack_workers(params, "data")
+        (loss, aux), grads = jax.jit(grad_fn)(stacked, x, y, key)
+        with pytest.raises(
+            ValueError, match=r"worker_value_and_grad: argument 3 has shape \(2,\)"
+        ):
+            grad_fn(stacked, x, y, jax.random.PRNGKey(7))
+        text_aux = ga.worker_value_and_grad(
+            lambda p, x, y: (_worker_loss(p, x, y), "done"), "data", has_aux=True
+        )
+        with pytest.raises(ValueError, match=r"aux leaf  is str 'done'"):
+            text_aux(stacked, x, y)
+    np.testing.assert_array_equal(aux["count"], np.full(N, 3))
+    np.testing.assert_array_equal(aux["scale"], np.full(N, 0.5, np.float32))
+    for d in range(N):
+        rows = slice(2 * d, 2 * d + 2)
+        (want_loss, _), want = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+            params, x[rows], y[rows], key
+        )
+        np.testing.assert_allclose(np.asarray(loss)[d], want_loss, rtol=1e-6)
+        for name in want:
+            np.testing.assert_allclose(
+                np.asarray(grads[name])[d], want[name], rtol=1e-5, atol=1e-7
+            )

@@ -9,6 +9,8 @@ gradient of the whole (weighted, ragged) batch on one device.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax._measure import all_reduces
-from helpers import entry_arrays
+from helpers import _eager, entry_arrays
 
 N_DEVICES = 8
 K = 3
@@ -949,6 +951,38 @@ def test_per_device_ternary_state_checkpoints_and_draws_the_same_bits(any_mesh):
         np.testing.assert_array_equal(updates[name], expected[name], err_msg=name)
 
 
+def test_per_device_ternary_state_restored_from_host_arrays_goes_on_bitwise(any_mesh):
+    """Restored without shardings (``jax.device_get``, a checkpointer given
+    no sharding), the int8 windows, their keys and scales arrive as host
+    arrays (eagerly) or replicated (under jit): the window's functions split
+    them over the data axis themselves, and the run goes on bitwise with the
+    same shardings as one restored with them."""
+    opt = _per_device_ternary(seed=5, clip_sigma=2.5)
+    params = jax.device_put(_params(), P())
+    step = jax.jit(_weighted_step(opt))
+    batches = _micro_batches([16, 32, 8], masked=True)
+    _, state = step(params, jax.jit(opt.init)(params), *_place(batches[0]))
+    reduced = jax.jit(opt.reduce_window)(state)
+    saved = jax.device_get(reduced)
+    placed = jax.device_put(saved, jax.tree.map(lambda a: a.sharding, reduced))
+    runs = {}
+    for name, restored in (("placed", placed), ("host", saved)):
+        for batch in batches[1:]:
+            updates, restored = step(params, restored, *_place(batch))
+        runs[name] = updates, restored.acc_grads.local
+    (updates, window), (expected, expected_window) = runs["host"], runs["placed"]
+    # Eagerly the host arrays are NumPy arrays: split there too.
+    eager_reset = opt.reset(saved).acc_grads.local
+    expected_reset = jax.jit(opt.reset)(placed).acc_grads.local
+    for have, want in zip(
+        jax.tree.leaves((updates, window, eager_reset)),
+        jax.tree.leaves((expected, expected_window, expected_reset)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(have, want)
+        assert have.sharding.is_equivalent_to(want.sharding, have.ndim)
+
+
 def test_per_device_windows_track_the_noise_scale(any_mesh):
     """Per-device windows (exact here: every leaf below ``min_size``) give
     the noise scale of each device's micro-batches fed apart to one device:
@@ -1024,3 +1058,153 @@ def test_all_reduces_leaves_out_groups_of_one_device():
 def _mean_loss_of_batch(params, batch):
     x, mask = batch
     return jnp.sum(mask * jnp.sum((x @ params["w"]) ** 2, axis=-1)) / jnp.sum(mask)
+
+
+# --- inputs restored from host arrays onto a 2-D mesh -----------------------
+
+# Tensor-parallel params (by columns) on a data x model mesh.
+TP_SPECS = {"w": P(None, "model"), "b": P("model")}
+
+
+def _tp_mesh(axis_type=AxisType.Explicit):
+    return jax.make_mesh(
+        (N_DEVICES // 2, 2), ("data", "model"), axis_types=(axis_type,) * 2
+    )
+
+
+def _tp_params():
+    rs = np.random.RandomState(3)
+    return {
+        "w": (rs.randn(16, 8) * 0.3).astype(np.float32),
+        "b": (rs.randn(8) * 0.1).astype(np.float32),
+    }
+
+
+def _tp_loss(params, x, y):
+    return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
+
+
+def _tp_batch(seed):
+    rs = np.random.RandomState(seed)
+    return rs.randn(16, 16).astype(np.float32), rs.randn(16, 8).astype(np.float32)
+
+
+def _collectives(compiled) -> list[str]:
+    """The collective ops of a compiled program, by kind."""
+    kinds = r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
+    return sorted(re.findall(rf"= \S+ ({kinds})(?:-start)?\(", compiled.as_text()))
+
+
+@pytest.mark.parametrize("compile_fn", [_eager, jax.jit], ids=["eager", "jit"])
+@pytest.mark.parametrize("layout", ["1d", "2d-tp"])
+def test_local_value_and_grad_splits_a_host_batch_itself(layout, compile_fn):
+    """A batch (and 1-D params) as host arrays, as restored without
+    shardings: split over the data axis here, no collective added, and the
+    terms are those of the placed batch, bitwise and with their types."""
+    if layout == "1d":
+        mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+        specs = {"w": P(), "b": P()}
+    else:
+        mesh, specs = _tp_mesh(), TP_SPECS
+    grad_fn = ga.local_value_and_grad(_tp_loss, "data")
+    host_params, (x, y) = _tp_params(), _tp_batch(0)
+    with jax.set_mesh(mesh):
+        params = jax.tree.map(jax.device_put, host_params, specs)
+        placed = jax.tree.map(lambda a: jax.device_put(a, P("data")), (x, y))
+        # Eager shard_map runs op by op (no fusion): compared with itself.
+        expected = compile_fn(grad_fn)(params, *placed)
+        # Params stay placed on the 2-D mesh: their model split is theirs.
+        from_host = host_params if layout == "1d" else params
+        got = compile_fn(grad_fn)(from_host, x, y)
+        reduce = jax.jit(ga._tree.reduce_unreduced)
+        for (path, have), want in zip(
+            jax.tree_util.tree_flatten_with_path(got)[0],
+            jax.tree.leaves(expected),
+            strict=True,
+        ):
+            assert jax.typeof(have) == jax.typeof(want), path
+            np.testing.assert_array_equal(reduce(have), reduce(want))
+        host_program = jax.jit(grad_fn).lower(from_host, x, y).compile()
+        placed_program = jax.jit(grad_fn).lower(params, *placed).compile()
+    assert _collectives(host_program) == _collectives(placed_program)
+
+
+def test_a_float_window_restored_from_host_arrays_keeps_the_params_split():
+    """On a data x model mesh with tensor-parallel params, a window saved
+    through `reduce_window` and restored without shardings has lost its
+    model split: `update` places it like the gradients and goes on bitwise,
+    noise-scale terms and Adam's state included."""
+    opt = ga.MultiSteps(
+        optax.adam(0.1), K, unreduced_axes="data", track_noise_scale=True
+    )
+    grad_fn = ga.local_value_and_grad(_tp_loss, "data")
+
+    def step(params, state, x, y):
+        return opt.update(grad_fn(params, x, y)[1], state, params)
+
+    with jax.set_mesh(_tp_mesh()):
+        params = jax.tree.map(jax.device_put, _tp_params(), TP_SPECS)
+        batches = [
+            jax.tree.map(lambda a: jax.device_put(a, P("data")), _tp_batch(seed))
+            for seed in range(3)
+        ]
+        step = jax.jit(step)
+        _, state = step(params, jax.jit(opt.init)(params), *batches[0])
+        reduced = jax.jit(opt.reduce_window)(state)
+        saved = jax.device_get(reduced)
+        runs = {}
+        for name, restored in (
+            (
+                "placed",
+                jax.device_put(saved, jax.tree.map(lambda a: a.sharding, reduced)),
+            ),
+            ("host", saved),
+        ):
+            for batch in batches[1:]:
+                updates, restored = step(params, restored, *batch)
+            runs[name] = (updates, jax.jit(opt.reduce_window)(restored))
+    (updates, state), (expected, expected_state) = runs["host"], runs["placed"]
+    assert bool(opt.has_updated(state))
+    for have, want in zip(
+        jax.tree.leaves((updates, state)),
+        jax.tree.leaves((expected, expected_state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(have, want)
+        assert have.sharding.is_equivalent_to(want.sharding, have.ndim)
+    assert updates["w"].sharding.spec == P(None, "model")
+
+
+@pytest.mark.parametrize("compile_fn", [_eager, jax.jit], ids=["eager", "jit"])
+def test_local_value_and_grad_gives_0d_arguments_to_every_device(any_mesh, compile_fn):
+    """A dropout key (typed) and a Python number reach every device whole,
+    as jax.value_and_grad would see them on one device; a raw uint32 key,
+    whose 2 rows cannot be split over 8 devices, is refused by name."""
+
+    def loss_fn(params, x, y, key, scale):
+        noise = jax.random.uniform(key, (x.shape[0],))
+        return scale * jnp.mean(_errors(params, x, y) * noise)
+
+    grad_fn = ga.local_value_and_grad(loss_fn, "data")
+    params = jax.device_put(_params(), P())
+    x, y, _ = _micro_batches([16])[0]
+    key = jax.random.key(4)
+    loss, grads = compile_fn(grad_fn)(params, x, y, key, 2.0)
+    total = jax.jit(
+        lambda tree: ga._partials.terms_layout(frozenset({"data"})).reduce(tree)
+    )
+    loss, grads = total((loss, grads))
+    rows = np.split(np.arange(16), N_DEVICES)
+    terms = [
+        jax.value_and_grad(loss_fn)(jax.device_get(params), x[r], y[r], key, 2.0)
+        for r in rows
+    ]
+    want_loss = sum(t[0] for t in terms) / N_DEVICES
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for name in grads:
+        want = sum(np.asarray(t[1][name]) for t in terms) / N_DEVICES
+        np.testing.assert_allclose(grads[name], want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(
+        ValueError, match=r"local_value_and_grad: argument 3 has shape \(2,\)"
+    ):
+        compile_fn(grad_fn)(params, x, y, jax.random.PRNGKey(4), 2.0)

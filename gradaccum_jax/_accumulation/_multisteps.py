@@ -213,7 +213,7 @@ class MultiSteps:
         layout = self._parts.layout()
         _checks.gradients_as_terms(updates, params, layout)
         weight = layout.as_weight(weight, "MultiSteps.update")
-        state = _window_ops.lift(self._parts, state, layout)
+        state = _window_ops.lift(self._parts, state, layout, updates)
         state, full = _engine.add_micro_batch(
             self._parts, state, updates, weight, params, layout
         )
@@ -243,7 +243,7 @@ class MultiSteps:
         """
         check_state(state, "flush")
         layout = self._parts.layout()
-        state = _window_ops.lift(self._parts, state, layout)
+        state = _window_ops.lift(self._parts, state, layout, params)
         # Only the dtypes are read: the zeros are dead.
         grads_like = optax.tree.zeros_like(
             jax.eval_shape(self._parts.store.accumulator.total, state.acc_grads)

@@ -47,8 +47,16 @@ class SharedWindow:
         """The window's reduced weighted sum, from the slots and the reduced rest."""
         return self.accumulator.total(slots.window(updates, reduced))
 
-    def lift(self, acc: Any, layout: TermsLayout) -> Any:
-        """A reduced window (a checkpoint's `reduce_window`) as terms again."""
+    def lift(self, acc: Any, layout: TermsLayout, like: Any = None) -> Any:
+        """A reduced window (a checkpoint's `reduce_window`) as terms again.
+
+        Placed like ``like`` (the gradients or params) first: a window
+        restored from host arrays has lost its params' split (a
+        tensor-parallel ``model`` axis), which the gradients it is added to
+        have.
+        """
+        if like is not None and jax.tree.structure(like) == jax.tree.structure(acc):
+            acc = jax.tree.map(layout.placed_like, acc, like)
         return jax.tree.map(layout.lift, acc)
 
     def reduce(self, acc: Any, layout: TermsLayout) -> Any:
@@ -71,9 +79,9 @@ class DecodedWindow:
         del slots, updates
         return reduced
 
-    def lift(self, acc: Any, layout: TermsLayout) -> Any:
+    def lift(self, acc: Any, layout: TermsLayout, like: Any = None) -> Any:
         """Per-device windows are plain stacked arrays: kept as they are."""
-        del layout
+        del layout, like
         return acc
 
     def reduce(self, acc: Any, layout: TermsLayout) -> Any:

@@ -78,15 +78,21 @@ def reduce(
     return _map_window(parts, state, layout, layout.reduce, parts.store.reduce)
 
 
-def lift(parts: Parts, state: MultiStepsState, layout: TermsLayout) -> MultiStepsState:
-    """A reduced window (see `reduce`) made per-device terms again."""
+def lift(
+    parts: Parts, state: MultiStepsState, layout: TermsLayout, like: Any = None
+) -> MultiStepsState:
+    """A reduced window (see `reduce`) made per-device terms again, its
+    leaves placed like ``like`` (the gradients or params), if given."""
     if not layout.axes or layout.holds_terms(state.acc_weight, jnp.zeros([])):
         return state
 
     def lift_tree(tree):
         return jax.tree.map(layout.lift, tree)
 
-    return _map_window(parts, state, layout, lift_tree, parts.store.lift)
+    def lift_window(acc, layout):
+        return parts.store.lift(acc, layout, like)
+
+    return _map_window(parts, state, layout, lift_tree, lift_window)
 
 
 def _map_window(

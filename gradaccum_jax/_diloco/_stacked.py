@@ -13,6 +13,7 @@ tensor-parallel params) stay the compiler's.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,12 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _tree
 from gradaccum_jax._diloco._state import DiLoCoState
+from gradaccum_jax._placement import (
+    is_explicit,
+    rows_split,
+    rows_split_like,
+    split_arguments,
+)
 
 
 def _workers_axis(axis_name: Any, caller: str) -> int:
@@ -39,12 +46,26 @@ def _workers_axis(axis_name: Any, caller: str) -> int:
     return mesh.shape[axis_name]
 
 
+def _check_stacked(params: Any, axis_name: str, caller: str) -> None:
+    """Raises unless every leaf of ``params`` has a leading workers axis."""
+    workers = _workers_axis(axis_name, caller)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != workers:
+            raise ValueError(
+                f"{caller}: param {jax.tree_util.keystr(path)} has shape "
+                f"{np.shape(leaf)}; under jax.jit over mesh axis {axis_name!r} "
+                f"the workers' params are stacked on a leading axis of size "
+                f"{workers} (see gradaccum_jax.stack_workers)."
+            )
+
+
 def _first(leaf: jax.Array) -> jax.Array:
     return leaf[0]
 
 
-def _stacked(leaf: jax.Array) -> jax.Array:
-    return leaf[None]
+def _stacked(leaf: Any) -> jax.Array:
+    # An aux output may hold Python numbers, as jax.value_and_grad allows.
+    return jnp.asarray(leaf)[None]
 
 
 def run_stacked(
@@ -54,6 +75,7 @@ def run_stacked(
     state: Any,
     params: Any,
     weight: Any,
+    init_fn: Callable[[Any], Any],
 ) -> tuple[Any, Any]:
     """Runs ``worker_fn(grads, state, params, weight)`` once per stacked worker.
 
@@ -61,25 +83,22 @@ def run_stacked(
     size of mesh axis ``axis_name``; ``weight`` is None, a scalar (the same
     for every worker) or one per worker (shape ``(n,)``). The results come
     back stacked the same way; nothing crosses devices but what
-    ``worker_fn``'s collectives over ``axis_name`` move.
+    ``worker_fn``'s collectives over ``axis_name`` move. ``init_fn`` (one
+    worker's ``init``) says how a state restored from host arrays is laid
+    out over the other mesh axes.
     """
-    workers = _workers_axis(axis_name, "diloco")
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != workers:
-            raise ValueError(
-                f"diloco: param {jax.tree_util.keystr(path)} has shape "
-                f"{np.shape(leaf)}; under jax.jit over mesh axis {axis_name!r} "
-                f"the workers' params are stacked on a leading axis of size "
-                f"{workers} (see gradaccum_jax.stack_workers)."
-            )
+    _check_stacked(params, axis_name, "diloco")
     per_worker_weight = weight is not None and np.ndim(weight) != 0
-    # Rows not yet laid out over the workers (a weight vector made on the
-    # host, say) are split here; those already split move nothing.
-    grads, state, params = jax.tree.map(
-        functools.partial(_split_rows, axis_name), (grads, state, params)
-    )
+    # Rows not yet laid out over the workers (restored from host arrays, a
+    # weight vector made on the host) are split here, and over the other
+    # axes as the params and `init` lay them out; those already split move
+    # nothing.
+    params = jax.tree.map(functools.partial(rows_split, axis=axis_name), params)
+    if is_explicit(axis_name):  # an Auto shard_map splits its inputs itself
+        grads = _split_like(grads, params, axis_name)
+        state = _split_like(state, _state_layout(init_fn, params), axis_name)
     if per_worker_weight:
-        weight = _split_rows(axis_name, jnp.asarray(weight))
+        weight = rows_split(jnp.asarray(weight), axis_name)
 
     def block(grads, state, params, weight):
         if per_worker_weight:
@@ -96,6 +115,29 @@ def run_stacked(
         out_specs=spec,
         axis_names={axis_name},
     )(grads, state, params, weight)
+
+
+def _split_like(tree: Any, like: Any, axis_name: str) -> Any:
+    """`rows_split_like` over ``tree``, each leaf like ``like``'s rows
+    (``tree`` as is where the structures differ: the caller's checks say
+    how)."""
+    if jax.tree.structure(tree) != jax.tree.structure(like):
+        return jax.tree.map(functools.partial(rows_split, axis=axis_name), tree)
+    return jax.tree.map(
+        lambda leaf, row: rows_split_like(leaf, axis_name, row), tree, like
+    )
+
+
+def _state_layout(init_fn: Callable[[Any], Any], stacked_params: Any) -> Any:
+    """One worker's state as ``init_fn`` lays it out for one row of the
+    stacked params (shapes and shardings only, nothing computed)."""
+
+    def row(leaf):
+        spec = P(*_tree.partitions(leaf)[1:])
+        sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), spec)
+        return jax.ShapeDtypeStruct(jnp.shape(leaf)[1:], leaf.dtype, sharding=sharding)
+
+    return jax.eval_shape(init_fn, jax.tree.map(row, stacked_params))
 
 
 def stack_workers(tree: Any, axis_name: str = "data") -> Any:
@@ -176,6 +218,18 @@ def _placement(leaf: Any) -> tuple[Any, ...]:
     return placement
 
 
+def _check_aux(aux: Any) -> None:
+    """Raises unless every leaf of ``aux`` can be stacked over the workers."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+            raise ValueError(
+                f"worker_value_and_grad: aux leaf {jax.tree_util.keystr(path)} "
+                f"is {type(leaf).__name__} {leaf!r}; each worker's aux is "
+                "stacked over the workers, so its leaves must be arrays or "
+                "Python numbers. Return other values from outside the loss."
+            )
+
+
 def anchor_params(state: Any) -> Any:
     """The anchor (outer) params of a `diloco` state: the model to evaluate.
 
@@ -230,17 +284,6 @@ def _first_worker(leaf: jax.Array) -> jax.Array:
     )(leaf)
 
 
-def _split_rows(axis_name: str, leaf: Any) -> Any:
-    """``leaf``'s rows split over mesh axis ``axis_name`` (Explicit meshes)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh._name_to_type[axis_name] != AxisType.Explicit:
-        return leaf
-    parts = _tree.partitions(leaf)
-    if parts and parts[0] == axis_name:
-        return leaf
-    return jax.sharding.reshard(leaf, P(axis_name, *parts[1:]))
-
-
 def worker_value_and_grad(
     loss_fn: Callable[..., Any],
     axis_name: str = "data",
@@ -255,8 +298,11 @@ def worker_value_and_grad(
     contiguous block of rows, the block its devices hold), evaluates
     ``jax.value_and_grad(loss_fn, has_aux=has_aux)(params_d, *batch_d)``
     for every worker and returns the results stacked (``loss`` of shape
-    ``(n,)``). No data crosses devices: a worker's gradient is its own, as
-    `diloco` wants it.
+    ``(n,)``, each aux leaf, Python numbers too, with a leading ``(n,)``).
+    No data crosses devices: a worker's gradient is its own, as `diloco`
+    wants it. Params and batch not yet split over ``axis_name`` (restored
+    from host arrays) are split here; a 0-d batch leaf (a dropout key, a
+    scalar) goes to every worker whole.
 
     Example:
 
@@ -296,21 +342,23 @@ def worker_value_and_grad(
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
     def block(params, *batch):
-        return jax.tree.map(
-            _stacked, value_and_grad(jax.tree.map(_first, params), *batch)
-        )
+        out = value_and_grad(jax.tree.map(_first, params), *batch)
+        _check_aux(out[0][1] if has_aux else ())
+        return jax.tree.map(_stacked, out)
 
     def fn(params, *batch):
-        _workers_axis(axis_name, "worker_value_and_grad")
-        spec = P(axis_name)
-        # A batch not yet split over the workers is split here (on an
-        # Explicit mesh the types must say so; an Auto mesh splits it
-        # itself). One already split, as a data loader gives it, moves not.
-        batch = jax.tree.map(functools.partial(_split_rows, axis_name), batch)
+        caller = "worker_value_and_grad"
+        _check_stacked(params, axis_name, caller)
+        # Params and batch not yet split over the workers (restored from
+        # host arrays) are split here; on an Explicit mesh shard_map would
+        # reject them. Those already split, as a data loader gives them,
+        # move nothing. 0-d arguments go to every worker whole.
+        params = jax.tree.map(functools.partial(rows_split, axis=axis_name), params)
+        batch, batch_specs = split_arguments(batch, axis_name, caller)
         return jax.shard_map(
             block,
-            in_specs=(spec, *(spec for _ in batch)),
-            out_specs=spec,
+            in_specs=(P(axis_name), *batch_specs),
+            out_specs=P(axis_name),
             axis_names={axis_name},
         )(params, *batch)
 

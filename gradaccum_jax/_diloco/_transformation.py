@@ -59,13 +59,11 @@ def diloco(
         clipping or `accumulate`); it gets ``weight=`` and extra arguments.
       sync_every: ``H``, inner steps between syncs (>= 1).
       outer: steps the anchor (default Nesterov SGD, lr 0.7, momentum 0.9).
-      axis_name: the workers' axis (bound, or of the current mesh); None for
-        a single worker.
+      axis_name: the workers' axis (bound, or of the mesh); None: one worker.
       outer_reduction: None (weighted float32 mean) or a transformation
         averaging over ``axis_name``, e.g. ``ternary_average_across_devices(
         axis_name, seed=0)`` (its residual kept per worker).
-      fragments: ``F`` (1: plain DiLoCo), at most ``sync_every`` and the
-        number of param leaves.
+      fragments: ``F`` (1: plain DiLoCo), at most ``sync_every`` and the leaf count.
 
     Returns:
       A transformation with a `DiLoCoState`; ``update`` needs ``params``.
@@ -92,7 +90,9 @@ def diloco(
         )
         if axis is None or _is_bound(axis):
             return worker_fn(updates, state, params, weight)
-        return _stacked.run_stacked(worker_fn, axis, updates, state, params, weight)
+        return _stacked.run_stacked(
+            worker_fn, axis, updates, state, params, weight, init_fn
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

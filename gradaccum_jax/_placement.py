@@ -1,0 +1,141 @@
+"""Inputs placed where a ``shard_map`` over one mesh axis expects them.
+
+On an Explicit mesh ``jax.shard_map`` does not move its inputs: an array
+whose type does not match its ``in_specs`` is an error. Arrays restored
+from a checkpoint without a sharding (``np.asarray``, ``jax.device_get``)
+arrive unsplit: as NumPy arrays eagerly, as replicated inputs under
+``jax.jit``. The entry points that map over an axis place such inputs
+themselves with the helpers here; each is a no-op for an input already
+placed (the compiled program of a placed input is unchanged), and moving a
+replicated input to a split one is a local slice, with no collective. On an
+Auto axis ``shard_map`` places its inputs itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from gradaccum_jax import _tree
+
+
+def is_explicit(axis: str) -> bool:
+    """Whether mesh ``axis`` of the current mesh is Explicit."""
+    return jax.sharding.get_abstract_mesh()._name_to_type[axis] == AxisType.Explicit
+
+
+def placed(leaf: Any, spec: P) -> Any:
+    """``leaf`` resharded to ``spec`` unless its type already says so.
+
+    For an Explicit mesh only (an Auto axis's split is not in the type).
+    """
+    if _normalized(_tree.partitions(leaf)) == _normalized(tuple(spec)):
+        return leaf
+    return jax.sharding.reshard(leaf, spec)
+
+
+def rows_split(leaf: Any, axis: str) -> Any:
+    """``leaf`` with its leading dimension split over mesh ``axis``.
+
+    Its other partitions are kept (a tensor-parallel ``model`` split), but
+    for ``axis`` itself, which can split one dimension only. An input not
+    placed at all (a host array) comes out replicated over the other mesh
+    axes: nothing says how it was split when it was saved. On an Auto axis
+    ``leaf`` is returned as it is.
+    """
+    if not is_explicit(axis):
+        return leaf
+    rest = tuple(_without(entry, axis) for entry in _tree.partitions(leaf)[1:])
+    return placed(leaf, P(axis, *rest))
+
+
+def rows_split_like(leaf: Any, axis: str, like: Any) -> Any:
+    """`rows_split`, and where ``leaf`` is split over no other mesh axis (a
+    host array, say), split over them as ``like`` (one row's layout: an
+    array or a ``jax.ShapeDtypeStruct`` shaped like ``leaf[0]``).
+
+    A state restored from host arrays has lost its tensor-parallel split,
+    which the params it is combined with keep: an Explicit mesh refuses to
+    mix the two (``select cases must have the same shardings``).
+    """
+    if not is_explicit(axis):
+        return leaf
+    rest = tuple(_without(entry, axis) for entry in _tree.partitions(leaf)[1:])
+    if not _normalized(rest):
+        rest = tuple(_without(entry, axis) for entry in _tree.partitions(like))
+    return placed(leaf, P(axis, *rest))
+
+
+def split_arguments(
+    args: tuple, axis: str, caller: str, first_position: int = 1
+) -> tuple[tuple, tuple]:
+    """Each argument's leaves split by rows over ``axis``, with their specs.
+
+    A leaf with a leading dimension is split along it: device (or worker)
+    ``d`` gets the ``d``-th contiguous block of rows. A 0-d leaf (a
+    dropout key, a temperature, a Python number) cannot be split: every
+    device gets it whole, as ``jax.value_and_grad`` would on one device.
+
+    Args:
+      args: the arguments, pytrees of arrays.
+      axis: the mesh axis they are split over.
+      caller: the public function, for error messages.
+      first_position: the position of ``args[0]`` among the caller's
+        arguments, so that a message names the argument as the user passed
+        it (``params`` is 0).
+
+    Returns:
+      ``(args, in_specs)``: the placed arguments and a spec tree per
+      argument for ``jax.shard_map`` (``P(axis)`` or ``P()`` per leaf).
+
+    Raises:
+      ValueError: naming the argument and leaf, when a leading dimension
+        is not a multiple of the size of ``axis``.
+    """
+    size = jax.sharding.get_abstract_mesh().shape[axis]
+
+    def split(position, path, leaf):
+        if np.ndim(leaf) == 0:
+            return leaf, P()
+        rows = np.shape(leaf)[0]
+        if rows % size:
+            raise ValueError(
+                f"{caller}: argument {position}{jax.tree_util.keystr(path)} "
+                f"has shape {np.shape(leaf)}; its leading dimension ({rows}) "
+                f"is split over the {size} devices of mesh axis {axis!r} and "
+                f"must be a multiple of {size}. An argument every device "
+                "should get whole must be 0-d: a typed PRNG key "
+                "(jax.random.key, or jax.random.wrap_key_data of a raw uint32 "
+                "key) or a scalar; close over anything else (functools.partial)."
+            )
+        return rows_split(leaf, axis), P(axis)
+
+    placed_args, specs = [], []
+    for position, arg in enumerate(args, start=first_position):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
+        pairs = [split(position, path, leaf) for path, leaf in leaves]
+        placed_args.append(treedef.unflatten([leaf for leaf, _ in pairs]))
+        specs.append(treedef.unflatten([spec for _, spec in pairs]))
+    return tuple(placed_args), tuple(specs)
+
+
+def _without(entry: Any, axis: str) -> Any:
+    """A spec entry with mesh ``axis`` dropped from it."""
+    if entry == axis:
+        return None
+    if isinstance(entry, tuple):
+        kept = tuple(name for name in entry if name != axis)
+        return kept or None
+    return entry
+
+
+def _normalized(parts: tuple) -> tuple:
+    """Spec entries without trailing Nones (``P('data')`` is ``P('data', None)``)."""
+    parts = list(parts)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return tuple(parts)
