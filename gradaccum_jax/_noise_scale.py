@@ -71,7 +71,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradaccum_jax import _partials, _tree
+from gradaccum_jax import _checks, _partials, _tree
 from gradaccum_jax._control import run_if
 from gradaccum_jax._statistic import WindowStatistic
 
@@ -260,6 +260,7 @@ def close_window(
     weight: jax.Array,
     decay: float,
     sum_variance: Any = 0.0,
+    axis_name: Any = None,
 ) -> NoiseScaleState:
     """Folds the closing window's estimate into the moving averages.
 
@@ -273,6 +274,10 @@ def close_window(
         exact sum, given the gradients (a lossy window or reduction, e.g.
         ternary codes: their rounding variance; 0 for a float window). It
         would add ``sum_variance / W^2`` to ``C``, so it is subtracted.
+      axis_name: a mapped axis (pmap / shard_map) whose devices each closed
+        a window of their own: the estimate is the mean of the devices'
+        (defined) estimates, the same on every device, so the moving
+        averages stay identical everywhere. None: this device's alone.
 
     Returns:
       The state with the averages updated (the window terms as they were:
@@ -284,6 +289,10 @@ def close_window(
     grad_sq_norm, trace, defined = window_estimate(
         window_terms(state), weight, mean_sq_norm
     )
+    if axis_name is not None:
+        grad_sq_norm, trace, defined = _device_mean(
+            grad_sq_norm, trace, defined, axis_name
+        )
 
     def average(old, new):
         return jnp.where(defined, decay * old + (1 - decay) * new, old)
@@ -293,6 +302,29 @@ def close_window(
         noise_trace=average(state.noise_trace, trace),
         decay_power=jnp.where(defined, decay * state.decay_power, state.decay_power),
     )
+
+
+def _device_mean(
+    grad_sq_norm: jax.Array, trace: jax.Array, defined: jax.Array, axis_name: Any
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The mean over ``axis_name`` of the devices' defined window estimates.
+
+    Each device's estimate is unbiased, so is their mean; a device whose
+    window gave none (fewer than two micro-batches of weight) is left out.
+    One all-reduce of three scalars, once per window.
+    """
+    _checks.bound_axis_size(axis_name, "adaptive_every_k(axis_name=...)")
+    zero = jnp.zeros([], jnp.float32)
+    g2_sum, trace_sum, count = jax.lax.psum(
+        (
+            jnp.where(defined, grad_sq_norm, zero),
+            jnp.where(defined, trace, zero),
+            defined.astype(jnp.float32),
+        ),
+        axis_name,
+    )
+    safe_count = jnp.maximum(count, 1.0)
+    return g2_sum / safe_count, trace_sum / safe_count, count > 0
 
 
 def window_terms(state: NoiseScaleState) -> tuple:
@@ -305,7 +337,9 @@ def window_terms(state: NoiseScaleState) -> tuple:
     )
 
 
-def noise_scale_statistic(decay: float, estimator: str = "sampled") -> WindowStatistic:
+def noise_scale_statistic(
+    decay: float, estimator: str = "sampled", axis_name: Any = None
+) -> WindowStatistic:
     """The gradient noise scale as a `WindowStatistic` of the accumulator.
 
     Its state is a `NoiseScaleState`: ``A``, ``k``, ``V`` and ``n`` are the
@@ -315,7 +349,8 @@ def noise_scale_statistic(decay: float, estimator: str = "sampled") -> WindowSta
     nonzero weight; the measured ones are every micro-batch (``"all"``) or
     the one that fills the window's slot ``j = sampled_slot(...)``
     (``"sampled"``), its norm computed under a conditional so that the
-    other micro-steps do not read the gradients for it.
+    other micro-steps do not read the gradients for it. With ``axis_name``
+    each window's estimate is averaged over that mapped axis at the close.
     """
     sampled = estimator == "sampled"
 
@@ -349,7 +384,7 @@ def noise_scale_statistic(decay: float, estimator: str = "sampled") -> WindowSta
 
     def close(state, window_sum, weight, position):
         return close_window(
-            state, window_sum, weight, decay, getattr(position, "sum_variance", 0.0)
+            state, window_sum, weight, decay, position.sum_variance, axis_name
         )
 
     return WindowStatistic(

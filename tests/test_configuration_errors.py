@@ -253,6 +253,9 @@ TABLE: list[Row] = [
     Row("adaptive_every_k", "k_max", BAD_COUNTS, INTEGER_GE_1),
     # k_max below k_min.
     Row("adaptive_every_k", "k_max", (1,), r"integer >= k_min \(2\)"),
+    Row(
+        "adaptive_every_k", "axis_name", ("", 3, (), ("data", ""), ["data"]), AXIS_NAME
+    ),
     # DiLoCo.
     Row("diloco", "inner", (None, optax.adam, "adam"), TRANSFORMATION),
     Row("diloco", "outer", (optax.sgd, "sgd", 0.7), TRANSFORMATION),

@@ -804,6 +804,86 @@ def test_adaptive_window_is_in_the_state_and_survives_a_round_trip():
     assert int(state.window_size) == int(restored.window_size) > 2
 
 
+def _device_gradients(steps, devices=8, dim=16):
+    """Per-device gradients ``0.5 + s_d noise``: exact on half the devices
+    (B_simple 0: k_min), noisy on the others (B_simple 144 / 4: k_max)."""
+    noise = jax.random.normal(jax.random.key(7), (steps, devices, dim))
+    spread = jnp.where(jnp.arange(devices) < devices // 2, 0.0, 3.0)
+    return 0.5 + spread[None, :, None] * noise
+
+
+def _pmapped(opt, params):
+    step = jax.pmap(lambda g, s: opt.update(g, s, params), axis_name="devices")
+    state = jax.pmap(lambda _: opt.init(params), axis_name="devices")(jnp.arange(8))
+    return step, state
+
+
+def test_adaptive_window_under_pmap_is_one_size_for_all_devices():
+    """Each device estimates from its own gradients: alone, half the devices
+    pick k_min and half k_max after the first window, and with an
+    average_across_devices inside, those closing first would wait in its
+    all-reduce forever. With ``axis_name`` the window's estimate is the
+    devices' mean: one size on every device, and the run goes on."""
+    params = jnp.zeros(16)
+    grads = _device_gradients(2 + 8 + 8)
+    local = ga.MultiSteps(optax.sgd(1.0), ga.adaptive_every_k(1, 2, 8))
+    step, state = _pmapped(local, params)
+    for g in grads[:2]:
+        _, state = step(g, state)
+    sizes = np.asarray(state.window_size)
+    assert set(sizes[:4]) == {2} and min(sizes[4:]) > 2, sizes
+
+    inner = optax.chain(ga.average_across_devices("devices"), optax.sgd(1.0))
+    shared = ga.MultiSteps(inner, ga.adaptive_every_k(1, 2, 8, axis_name="devices"))
+    step, state = _pmapped(shared, params)
+    emitted = []
+    for i, g in enumerate(grads):
+        updates, state = step(g, state)
+        updates.block_until_ready()
+        # Checked before the next call: a disagreement never reaches a hang.
+        assert len(set(np.asarray(state.window_size).tolist())) == 1, (i, state)
+        emitted.append(bool(np.asarray(shared.has_updated(state))[0]))
+    assert int(state.window_size[0]) == 8
+    assert [i for i, e in enumerate(emitted) if e] == [1, 9, 17]
+    # The mean gradient is the same on every device.
+    np.testing.assert_array_equal(updates, np.broadcast_to(updates[0], updates.shape))
+    stats = jax.vmap(shared.stats)(state)
+    assert len(set(np.asarray(stats.noise_scale).tolist())) == 1
+
+
+@pytest.mark.parametrize("mapped", ["pmap", "shard_map"])
+def test_adaptive_window_without_axis_name_is_refused_where_devices_communicate(
+    mapped,
+):
+    inner = optax.chain(ga.average_across_devices("devices"), optax.sgd(1.0))
+    opt = ga.MultiSteps(inner, ga.adaptive_every_k(1, 2, 8))
+    params = jnp.zeros(16)
+    grads = _device_gradients(1)[0]
+    with pytest.raises(ValueError, match=r"axis_name='devices'") as error:
+        if mapped == "pmap":
+            _pmapped(opt, params)[0](grads, _pmapped(opt, params)[1])
+        else:
+            mesh = jax.make_mesh((8,), ("devices",))
+
+            @jax.shard_map(mesh=mesh, in_specs=P("devices"), out_specs=P("devices"))
+            def step(g):
+                _, state = opt.update(g[0], opt.init(params), params)
+                return state.window_size[None]
+
+            step(jax.device_put(grads, jax.NamedSharding(mesh, P("devices"))))
+    assert "wait in that collective forever" in str(error.value)
+
+
+def test_adaptive_axis_name_is_refused_with_unreduced_axes():
+    """With per-device terms the estimate is already the devices' together."""
+    with pytest.raises(ValueError, match=r"`axis_name` of adaptive_every_k.*"):
+        ga.MultiSteps(
+            optax.sgd(1.0),
+            ga.adaptive_every_k(1, 2, 8, axis_name="data"),
+            unreduced_axes="data",
+        )
+
+
 def test_ternary_accumulate_takes_an_adaptive_window():
     tx = ga.ternary_accumulate(optax.sgd(1.0), ga.adaptive_every_k(1, 2, 200))
     state = tx.init({"w": jnp.zeros(512)})

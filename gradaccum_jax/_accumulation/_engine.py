@@ -185,6 +185,9 @@ def _plan(parts, state, grads_like, params, extra_args, layout) -> _Emission:
     inner_update, updates_shape = _inner_step.with_weight_if_accepted(
         inner_update, window_sum, weight, state.inner_opt_state
     )
+    parts.window_size.check_inner_update(
+        inner_update, window_sum, weight, state.inner_opt_state
+    )
     slots = _inner_step.UpdateSlots(state.acc_grads, updates_shape)
     position = WindowPosition(
         state.mini_step,
