@@ -259,7 +259,7 @@ def close_window(
     window_sum: Any,
     weight: jax.Array,
     decay: float,
-    sum_variance: Any = 0.0,
+    sum_sq_excess: Any = 0.0,
     axis_name: Any = None,
 ) -> NoiseScaleState:
     """Folds the closing window's estimate into the moving averages.
@@ -270,10 +270,10 @@ def close_window(
       window_sum: the window's weighted gradient sum ``W G_win`` (a pytree).
       weight: the window's total weight ``W``.
       decay: the moving average's decay in [0, 1) (0: the last window only).
-      sum_variance: the expected squared error of ``window_sum`` about the
-        exact sum, given the gradients (a lossy window or reduction, e.g.
-        ternary codes: their rounding variance; 0 for a float window). It
-        would add ``sum_variance / W^2`` to ``C``, so it is subtracted.
+      sum_sq_excess: ``E|window_sum|^2 - |exact sum|^2`` given the
+        gradients, from a lossy reduction (`WindowPosition.sum_sq_excess`;
+        0 for a float window): it would add ``sum_sq_excess / W^2`` to
+        ``C``, so it is subtracted.
       axis_name: a mapped axis (pmap / shard_map) whose devices each closed
         a window of their own: the estimate is the mean of the devices'
         (defined) estimates, the same on every device, so the moving
@@ -285,7 +285,7 @@ def close_window(
     """
     # The norm of the sum, divided after: no divided copy of the window.
     safe_weight = jnp.where(weight != 0, weight, 1.0)
-    mean_sq_norm = (sq_norm(window_sum) - sum_variance) / safe_weight**2
+    mean_sq_norm = (sq_norm(window_sum) - sum_sq_excess) / safe_weight**2
     grad_sq_norm, trace, defined = window_estimate(
         window_terms(state), weight, mean_sq_norm
     )
@@ -384,7 +384,7 @@ def noise_scale_statistic(
 
     def close(state, window_sum, weight, position):
         return close_window(
-            state, window_sum, weight, decay, position.sum_variance, axis_name
+            state, window_sum, weight, decay, position.sum_sq_excess, axis_name
         )
 
     return WindowStatistic(

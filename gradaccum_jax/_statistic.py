@@ -32,19 +32,19 @@ class WindowPosition(NamedTuple):
         False at ``close``.
       window_size: int32, the slots of the window (its ``k``).
       window_index: int32, the window's index (``gradient_step``).
-      sum_variance: float32, at ``close``: the expected squared error of the
-        window's reduced sum about the exact sum of its gradients, given
-        them (summed over every element), that a lossy window or reduction
-        added (ternary codes: their rounding variance); 0 for an exact
-        float window and at ``observe``. A statistic of the sum's squared
-        norm subtracts it to stay unbiased.
+      sum_sq_excess: float32, at ``close``: by how much a lossy reduction
+        (ternary codes) changed the squared norm of the window's sum, in
+        expectation over its random draws: ``E|sum|^2 - |exact sum|^2``
+        (the rounding variance, less what clipping removed); 0 for an
+        exact reduction and at ``observe``. A statistic of the sum's
+        squared norm subtracts it to stay unbiased.
     """
 
     slot: jax.Array
     fills_slot: jax.Array
     window_size: jax.Array
     window_index: jax.Array
-    sum_variance: Any = 0.0
+    sum_sq_excess: Any = 0.0
 
 
 class WindowStatistic(NamedTuple):

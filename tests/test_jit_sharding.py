@@ -602,10 +602,12 @@ def test_a_tracked_ternary_window_sums_the_noise_scale_terms_exactly(mesh):
     )
     ops = _weighted_step_all_reduces(opt)
     assert {op.place for op in ops} == {"while-body"}
-    # A, k, V and n: four more scalars in the exact psum.
+    # A, k, V and n: four more scalars in the exact psum, and a fifth: what
+    # the codes add to the window's squared norm (summed after the codes are
+    # drawn, XLA combines it with the exact psum).
     assert sorted(op.nbytes for op in ops) == [
         SCALE_BYTES,
-        EXACT_BYTES + 4 * 4,
+        EXACT_BYTES + 4 * 4 + 4,
         CODE_BYTES,
     ]
 

@@ -210,16 +210,21 @@ def _close_window(emission: _Emission, carry):
     stat_terms = [
         stat.window_terms(s) for stat, s in zip(parts.statistics, stats, strict=True)
     ]
-    (reduced, weight, stat_sums), reduction_state = parts.reduction.reduce(
-        (parts.store.reduction_terms(slots, updates, rest), window_weight, stat_terms),
-        layout,
-        reduction_state,
+    (reduced, weight, stat_sums), reduction_state, sum_sq_excess = (
+        parts.reduction.reduce_window(
+            (
+                parts.store.reduction_terms(slots, updates, rest),
+                window_weight,
+                stat_terms,
+            ),
+            layout,
+            reduction_state,
+        )
     )
     window_sum = parts.store.window_sum(slots, updates, reduced)
+    position = emission.position._replace(sum_sq_excess=sum_sq_excess)
     closed = [
-        stat.close(
-            stat.with_window_terms(s, sums), window_sum, weight, emission.position
-        )
+        stat.close(stat.with_window_terms(s, sums), window_sum, weight, position)
         for stat, s, sums in zip(parts.statistics, stats, stat_sums, strict=True)
     ]
     weight = _inner_step.ordered_after(weight, closed)
