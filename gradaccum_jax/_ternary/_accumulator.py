@@ -339,11 +339,12 @@ def _no_noise_scale(every_k: Any, track_noise_scale: Any) -> None:
     Its estimate needs ``|G_win|^2``, the squared norm of the window's sum.
     The codes' rounding adds its variance to the decoded sum's squared norm
     and the accumulator keeps no float sum to take it from: on the
-    closed-form regression of ``tests/test_noise_scale.py`` (256
-    parameters, windows of 4 micro-batches of 32 examples) ``|G|^2`` came
-    out 7.4 against a truth of 1 and ``B_simple`` 41 against 513. Only the
-    window knows its rounding (each micro-step's codes and re-roundings),
-    so it is refused rather than reported wrong.
+    closed-form regression of ``benchmarks/bench_noise_scale.py
+    --ternary`` (256 parameters, windows of 4 micro-batches of 32
+    examples, run before this refusal) ``|G|^2`` came out 7.4 against a
+    truth of 1 and ``B_simple`` 41 against 513. Only the window knows its
+    rounding (each micro-step's codes and re-roundings), so it is refused
+    rather than reported wrong.
     """
     adaptive = isinstance(every_k, AdaptiveWindow)
     if track_noise_scale is True or adaptive:
