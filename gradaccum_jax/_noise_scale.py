@@ -48,8 +48,8 @@ gradients for a norm on one micro-step per window instead of every one
 of the gradients each time), and pays in variance: one micro-batch stands
 for the window. The slot is a fixed hash of the window's index
 (`sampled_slot`): no PRNG state, the same draw on every device and after a
-checkpoint. A sampled window that closes
-before slot ``j`` is filled (`flush`) gives no estimate.
+checkpoint. A sampled window that closes before slot ``j`` is filled
+(`flush`) gives no estimate.
 
 Under data parallelism with ``unreduced_axes`` each device's gradient of a
 micro-batch is a small batch of its own: every device keeps its own terms
@@ -58,11 +58,12 @@ of ``A``, ``V``, ``n`` and ``k`` (sampled: of its own micro-batch in slot
 devices' micro-batches in the slot.
 
 The accumulator keeps ``A``, ``V``, ``n`` and ``k`` (the statistic's
-``observe``, once per micro-step; `noise_scale_statistic` is a `WindowStatistic` of the
-engine) and, at each emission (`close_window`), folds the window's estimate into
-an exponential moving average of ``|G|^2`` and of ``tr(S)`` separately,
-with bias correction; ``B_simple`` is the ratio of the two averages, as
-the paper advises (a ratio of noisy estimates is biased, its average too).
+``observe``, once per micro-step; `noise_scale_statistic` is a
+`WindowStatistic` of the engine) and, at each emission (`close_window`),
+folds the window's estimate into an exponential moving average of
+``|G|^2`` and of ``tr(S)`` separately, with bias correction; ``B_simple``
+is the ratio of the two averages, as the paper advises (a ratio of noisy
+estimates is biased, its average too).
 """
 
 from __future__ import annotations
