@@ -798,14 +798,15 @@ def test_per_device_ternary_state_checkpoints_and_draws_the_same_bits(any_mesh):
 
 
 def test_per_device_windows_track_the_noise_scale(any_mesh):
-    """Per-device windows (exact here: every leaf below ``min_size``) give
+    """Per-device windows (a float window per device, decoded then reduced
+    like a ternary one; `ternary_accumulate` refuses the noise scale) give
     the noise scale of each device's micro-batches fed apart to one device:
     A and k are reduced with the decoded sums, the window's norm is taken
     after that one reduction."""
-    opt = ga.ternary_accumulate(
+    opt = ga.MultiSteps(
         optax.sgd(1.0),
         K,
-        min_size=10**6,
+        window_accumulator=ga.float_accumulator(jnp.float32),
         unreduced_axes="data",
         track_noise_scale=True,
         noise_scale_decay=NOISE_DECAY,
