@@ -24,15 +24,33 @@ non-emitting micro-step (the sampled one's measured step included) and the
 median window, and their ratios to untracked. The target is 1.05 on the
 micro-step.
 
+Ternary (``--ternary``, alone, on 8 emulated CPU devices): the same
+regression at 256 parameters, each device with its own 4 examples per
+micro-batch, windows of 4 micro-batches (``"all"``) reduced by a float
+all-reduce or by `ternary_window_reduction` (with and without clipping):
+the mean and standard error of the windows' ``|G|^2`` and ``tr(S)``
+estimates against the truth, and ``B_simple`` as their ratio; and the
+same micro-batches on one device in a `ternary_accumulate` window (which
+now refuses the noise scale). Run it on an older revision for the
+estimates before the codes' rounding was subtracted.
+
 Run: ``python benchmarks/bench_noise_scale.py [--runs 400] [--windows 100]
-[--params 16e6] [--k 8] [--timing-windows 8] [--skip-timing]``
+[--params 16e6] [--k 8] [--timing-windows 8] [--skip-timing]
+[--ternary [--ternary-windows 1000]]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import sys
+
+if "--ternary" in sys.argv:  # before jax is imported: 8 devices to reduce over
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
 
 import bench_accumulation
 import jax
@@ -49,7 +67,11 @@ TRUE_G2 = float(DELTA @ DELTA)
 TRUE_TRACE = DIM * (TRUE_G2 + SIGMA**2) + TRUE_G2
 TRUE_B = TRUE_TRACE / TRUE_G2
 ESTIMATORS = ("sampled", "all")
-SIZES = {"equal (8 x 4)": [4] * 8, "ragged (1..7, 12)": [1, 2, 3, 4, 5, 6, 7, 12]}
+SIZES = {
+    "equal (8 x 4)": [4] * 8,
+    "ragged (1..7, 12)": [1, 2, 3, 4, 5, 6, 7, 12],
+    "alternating (2, 14)": [2, 14] * 4,
+}
 SMOOTHING = 0.95  # MultiSteps' default noise_scale_decay
 
 
@@ -146,6 +168,113 @@ def print_spread(rows: dict, runs: int, windows: int) -> None:
         )
 
 
+TERNARY_DIM, TERNARY_K, TERNARY_EXAMPLES = 256, 4, 4
+TERNARY_TRUE_TRACE = TERNARY_DIM * (1 + SIGMA**2) + 1  # |delta|^2 = 1
+
+
+def ternary_window_estimates(reduction, windows: int):
+    """``(|G|^2, tr(S))`` of each window reduced by ``reduction`` over 8 devices."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",))
+    opt = ga.MultiSteps(
+        optax.sgd(0.0),
+        TERNARY_K,
+        unreduced_axes="data",
+        window_reduction=reduction,
+        track_noise_scale=True,
+        noise_scale_decay=0.0,
+        noise_scale_estimator="all",
+    )
+    grad_fn = ga.local_value_and_grad(
+        lambda w, x, y: (0.5 * jnp.mean((x @ w - y) ** 2), jnp.float32(len(y))),
+        "data",
+        has_weight=True,
+    )
+    rows = 8 * TERNARY_EXAMPLES
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.full(TERNARY_DIM, 1 / 16.0), P())  # w* = 0
+
+        def micro_step(state, key):
+            kx, ke = jax.random.split(key)
+            x = jax.random.normal(kx, (rows, TERNARY_DIM), out_sharding=P("data"))
+            y = SIGMA * jax.random.normal(ke, (rows,), out_sharding=P("data"))
+            (_, weight), grads = grad_fn(w, x, y)
+            _, state = opt.update(grads, state, w, weight=weight)
+            stats = opt.stats(state)
+            return state, (
+                stats.grad_sq_norm,
+                stats.noise_trace,
+                opt.has_updated(state),
+            )
+
+        run = jax.jit(lambda state, keys: jax.lax.scan(micro_step, state, keys)[1])
+        keys = jax.random.split(jax.random.key(0), windows * TERNARY_K)
+        g2, trace, emitted = map(np.asarray, run(jax.jit(opt.init)(w), keys))
+    return g2[emitted].astype(np.float64), trace[emitted].astype(np.float64)
+
+
+def ternary_accumulate_estimates(windows: int):
+    """The same micro-batches' 32 examples on one device, in a ternary window."""
+    opt = ga.ternary_accumulate(
+        optax.sgd(0.0),
+        TERNARY_K,
+        track_noise_scale=True,
+        noise_scale_decay=0.0,
+        noise_scale_estimator="all",
+    )
+    w = jnp.full(TERNARY_DIM, 1 / 16.0)  # w* = 0
+    rows = 8 * TERNARY_EXAMPLES
+
+    def micro_step(state, key):
+        kx, ke = jax.random.split(key)
+        x = jax.random.normal(kx, (rows, TERNARY_DIM))
+        y = SIGMA * jax.random.normal(ke, (rows,))
+        grads = (x @ w - y) @ x / rows
+        _, state = opt.update(grads, state, w, weight=jnp.float32(rows))
+        stats = opt.stats(state)
+        return state, (stats.grad_sq_norm, stats.noise_trace, opt.has_updated(state))
+
+    run = jax.jit(lambda state, keys: jax.lax.scan(micro_step, state, keys)[1])
+    keys = jax.random.split(jax.random.key(0), windows * TERNARY_K)
+    g2, trace, emitted = map(np.asarray, run(opt.init(w), keys))
+    return g2[emitted].astype(np.float64), trace[emitted].astype(np.float64)
+
+
+def print_ternary(windows: int) -> None:
+    print(
+        f"\n## ternary window reduction: {windows} windows of {TERNARY_K} "
+        f"micro-batches, 8 devices x {TERNARY_EXAMPLES} examples, "
+        f"{TERNARY_DIM} params; truth |G|^2 = 1, tr(S) = B_simple = "
+        f"{TERNARY_TRUE_TRACE:.0f}\n"
+    )
+    print("| window reduction | \\|G\\|^2 (+- s.e.) | tr(S) (+- s.e.) | B_simple |")
+    print("|---|---:|---:|---:|")
+    reductions = {
+        "float all-reduce": None,
+        "ternary, clip_sigma=None": ga.ternary_window_reduction(0, clip_sigma=None),
+        "ternary, clip_sigma=2.5 (default)": ga.ternary_window_reduction(0),
+    }
+    runs = {
+        name: (lambda reduction=reduction: ternary_window_estimates(reduction, windows))
+        for name, reduction in reductions.items()
+    }
+    runs["ternary_accumulate, one device"] = lambda: ternary_accumulate_estimates(
+        windows
+    )
+    for name, run in runs.items():
+        try:
+            g2, trace = run()
+        except ValueError:  # a ternary window's noise scale is refused
+            print(f"| {name} | refused | refused | refused |")
+            continue
+        g2_se, trace_se = (v.std() / np.sqrt(len(v)) for v in (g2, trace))
+        print(
+            f"| {name} | {g2.mean():.3f} +- {g2_se:.3f} | {trace.mean():.1f} +- "
+            f"{trace_se:.1f} | {trace.mean() / g2.mean():.0f} |"
+        )
+
+
 def timing(num_params: int, k: int, windows: int) -> dict:
     """Per contender: median and mean non-emitting micro-step, median window."""
     params = bench_accumulation.make_params(num_params)
@@ -208,12 +337,17 @@ def main() -> None:
     parser.add_argument("--timing-windows", type=int, default=8)
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-spread", action="store_true")
+    parser.add_argument("--ternary", action="store_true")
+    parser.add_argument("--ternary-windows", type=int, default=1000)
     _headline.add_argument(parser)
     args = parser.parse_args()
     print(
         f"# noise scale estimators: {jax.devices()[0].platform} "
         f"({platform.processor() or platform.machine()}), jax {jax.__version__}"
     )
+    if args.ternary:
+        print_ternary(args.ternary_windows)
+        return
     figures = {}
     if not args.skip_spread:
         rows = spread(args.runs, args.windows)

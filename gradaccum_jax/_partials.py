@@ -545,10 +545,29 @@ class WindowReduction(NamedTuple):
         inside the emission loop; ``layout.reduce`` is the exact float sum,
         ``layout.over_terms`` runs a function of each device's own term that
         ends in collectives.
+      reports_sq_excess: whether ``reduce`` returns ``(sums, state,
+        sq_excess)``: a lossy reduction (random rounding, clipping) says by
+        how much it changes the sums' squared norm, ``sq_excess`` being
+        ``E|sums|^2 - |exact sums|^2`` over its random draws given the
+        terms (for unbiased rounding, the sums' variance summed over every
+        element), a float32 scalar, the same on every device. The window
+        statistics see it (`WindowPosition.sum_sq_excess`): the noise
+        scale subtracts it from the window's squared norm. False: the sums
+        are exact.
     """
 
     init: Callable[[Any], Any]
-    reduce: Callable[[Any, TermsLayout, Any], tuple[Any, Any]]
+    reduce: Callable[[Any, TermsLayout, Any], tuple[Any, ...]]
+    reports_sq_excess: bool = False
+
+    def reduce_window(
+        self, terms: Any, layout: TermsLayout, state: Any
+    ) -> tuple[Any, Any, jax.Array]:
+        """``(sums, state, sq_excess)``: `reduce`'s, ``sq_excess`` 0 if exact."""
+        if self.reports_sq_excess:
+            return self.reduce(terms, layout, state)
+        sums, state = self.reduce(terms, layout, state)
+        return sums, state, jnp.zeros([], jnp.float32)
 
 
 def float_window_reduction() -> WindowReduction:

@@ -20,7 +20,8 @@ class WindowPosition(NamedTuple):
     """A point of a window: where a micro-batch falls in it, or where it closed.
 
     What `WindowStatistic.observe` sees of each micro-batch and
-    `WindowStatistic.close` of the closing window.
+    `WindowStatistic.close` of the closing window (with how exact its sum
+    is).
 
     Attributes:
       slot: int32, the window's slots filled before this point: the index of
@@ -31,12 +32,19 @@ class WindowPosition(NamedTuple):
         False at ``close``.
       window_size: int32, the slots of the window (its ``k``).
       window_index: int32, the window's index (``gradient_step``).
+      sum_sq_excess: float32, at ``close``: by how much a lossy reduction
+        (ternary codes) changed the squared norm of the window's sum, in
+        expectation over its random draws: ``E|sum|^2 - |exact sum|^2``
+        (the rounding variance, less what clipping removed); 0 for an
+        exact reduction and at ``observe``. A statistic of the sum's
+        squared norm subtracts it to stay unbiased.
     """
 
     slot: jax.Array
     fills_slot: jax.Array
     window_size: jax.Array
     window_index: jax.Array
+    sum_sq_excess: Any = 0.0
 
 
 class WindowStatistic(NamedTuple):

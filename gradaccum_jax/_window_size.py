@@ -4,6 +4,14 @@ McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training",
 arXiv:1812.06162): ``B_simple``, the simple noise scale the accumulator
 estimates (`gradaccum_jax._noise_scale`), is about the critical batch size.
 An `AdaptiveWindow` sets each next window to about that many examples.
+
+Under ``jax.pmap`` / ``jax.shard_map`` with an `average_across_devices` (or
+any collective) in the inner optimizer, every device must choose the same
+size: a device that closes its window first would wait in the inner
+all-reduce for the others forever. ``axis_name`` makes the estimate one
+for all devices (each window's estimate is averaged over that axis before
+it enters the moving averages), and the engine refuses, at trace time, an
+adaptive window without it whose inner optimizer communicates over an axis.
 """
 
 from __future__ import annotations
@@ -25,9 +33,17 @@ class AdaptiveWindow:
     at each emission, asks `next_size` for the next one, so the size changes
     only at window boundaries, is a pure function of the state (a restored
     checkpoint goes on identically) and costs a few scalar operations.
+    ``axis_name`` (or None) is the mapped axis whose devices share one
+    estimate, hence one window size.
     """
 
-    def __init__(self, micro_batch_size: float, k_min: int, k_max: int):
+    def __init__(
+        self,
+        micro_batch_size: float,
+        k_min: int,
+        k_max: int,
+        axis_name: str | tuple[str, ...] | None = None,
+    ):
         if isinstance(micro_batch_size, bool) or not isinstance(
             micro_batch_size, numbers.Real
         ):
@@ -44,6 +60,9 @@ class AdaptiveWindow:
             raise ValueError(
                 f"`k_max` must be an integer >= k_min ({self.k_min}), got {k_max}."
             )
+        self.axis_name: str | tuple[str, ...] | None = (
+            None if axis_name is None else _checks.axis_name("axis_name", axis_name)
+        )
 
     def initial_size(self) -> jax.Array:
         """The first window's size: ``k_min`` (no estimate yet)."""
@@ -56,13 +75,20 @@ class AdaptiveWindow:
         return jnp.where(jnp.isnan(wanted), size, bounded.astype(jnp.int32))
 
     def __repr__(self) -> str:
+        axis = "" if self.axis_name is None else f", axis_name={self.axis_name!r}"
         return (
             f"adaptive_every_k(micro_batch_size={self.micro_batch_size}, "
-            f"k_min={self.k_min}, k_max={self.k_max})"
+            f"k_min={self.k_min}, k_max={self.k_max}{axis})"
         )
 
 
-def adaptive_every_k(micro_batch_size: float, k_min: int, k_max: int) -> AdaptiveWindow:
+def adaptive_every_k(
+    micro_batch_size: float,
+    k_min: int,
+    k_max: int,
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> AdaptiveWindow:
     """A window size that follows the critical batch size (McCandlish et al. 2018).
 
     At each emission the next window holds
@@ -86,12 +112,27 @@ def adaptive_every_k(micro_batch_size: float, k_min: int, k_max: int) -> Adaptiv
     Without weights, where each call weighs 1 whatever the number of
     devices, it is 1 again.
 
+    Under ``jax.pmap`` / ``jax.shard_map``, where each device accumulates
+    its own gradients and an `average_across_devices` (or
+    `ternary_average_across_devices`) in the inner optimizer averages the
+    windows, pass that axis as ``axis_name``: each window's estimate is then
+    averaged over the devices before it enters the moving averages (two
+    scalars in one all-reduce per window), so every device picks the same
+    next size. Without it each device would estimate from its own gradients
+    and pick its own size, and the devices that close first would wait in
+    the inner all-reduce forever; the accumulator refuses that at trace time
+    (a ValueError naming ``axis_name``). Not needed, and refused, with
+    ``unreduced_axes`` under ``jax.jit``: there the window's terms are
+    already summed over the devices before the estimate.
+
     Args:
       micro_batch_size: the weight of one micro-batch, a positive number.
       k_min: the smallest (and first) window, an integer >= 1.
       k_max: the largest window, an integer >= ``k_min``.
+      axis_name: the pmap / shard_map axis (or tuple of axes) over which
+        the devices share one estimate and one window size, or None.
 
     Returns:
       An `AdaptiveWindow`.
     """
-    return AdaptiveWindow(micro_batch_size, k_min, k_max)
+    return AdaptiveWindow(micro_batch_size, k_min, k_max, axis_name)

@@ -243,6 +243,14 @@ TABLE: list[Row] = [
         ESTIMATOR,
     ),
     Row("microbatched_value_and_grad", "return_noise_scale", ("True", None), BOOL),
+    # A ternary window cannot measure the noise scale without bias.
+    Row("ternary_accumulate", "track_noise_scale", (True,), r"track_noise_scale=False"),
+    Row(
+        "ternary_accumulate",
+        "every_k",
+        (ga.adaptive_every_k(1, 2, 8),),
+        r"an int or callable every_k",
+    ),
     Row(
         "adaptive_every_k",
         "micro_batch_size",
@@ -253,6 +261,9 @@ TABLE: list[Row] = [
     Row("adaptive_every_k", "k_max", BAD_COUNTS, INTEGER_GE_1),
     # k_max below k_min.
     Row("adaptive_every_k", "k_max", (1,), r"integer >= k_min \(2\)"),
+    Row(
+        "adaptive_every_k", "axis_name", ("", 3, (), ("data", ""), ["data"]), AXIS_NAME
+    ),
     # DiLoCo.
     Row("diloco", "inner", (None, optax.adam, "adam"), TRANSFORMATION),
     Row("diloco", "outer", (optax.sgd, "sgd", 0.7), TRANSFORMATION),

@@ -498,7 +498,7 @@ def _assert_same_noise_stats(stats, expected):
         np.testing.assert_allclose(actual, wanted, rtol=1e-5, err_msg=name)
 
 
-def test_tracked_noise_scale_adds_two_scalars_to_the_one_fused_all_reduce(any_mesh):
+def test_tracked_noise_scale_adds_four_scalars_to_the_one_fused_all_reduce(any_mesh):
     opt = _tracked()
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
@@ -506,10 +506,10 @@ def test_tracked_noise_scale_adds_two_scalars_to_the_one_fused_all_reduce(any_me
     step = jax.jit(_weighted_step(opt))
     ops = all_reduces(step.lower(params, state, *args).compile())
     # A non-emitting micro-step still moves nothing: each device adds its
-    # own terms of A and k ...
+    # own terms of A, k, V and n ...
     assert [op for op in ops if op.place != "while-body"] == []
     # ... which the emission reduces with the window and its weight.
-    assert [(op.operands, op.nbytes) for op in ops] == [(3 + 1 + 2, PARAM_BYTES + 12)]
+    assert [(op.operands, op.nbytes) for op in ops] == [(3 + 1 + 4, PARAM_BYTES + 20)]
     _, state = step(params, state, *args)
     assert _holds_terms(state.noise.sq_norm_sum, any_mesh, ())
     assert _holds_terms(state.noise.micro_batches, any_mesh, ())
@@ -758,10 +758,12 @@ def test_a_tracked_ternary_window_sums_the_noise_scale_terms_exactly(mesh):
     )
     ops = _weighted_step_all_reduces(opt)
     assert {op.place for op in ops} == {"while-body"}
-    # A and k: two more scalars in the exact psum.
+    # A, k, V and n: four more scalars in the exact psum, and a fifth: what
+    # the codes add to the window's squared norm (summed after the codes are
+    # drawn, XLA combines it with the exact psum).
     assert sorted(op.nbytes for op in ops) == [
         SCALE_BYTES,
-        EXACT_BYTES + 2 * 4,
+        EXACT_BYTES + 4 * 4 + 4,
         CODE_BYTES,
     ]
 
@@ -984,14 +986,15 @@ def test_per_device_ternary_state_restored_from_host_arrays_goes_on_bitwise(any_
 
 
 def test_per_device_windows_track_the_noise_scale(any_mesh):
-    """Per-device windows (exact here: every leaf below ``min_size``) give
+    """Per-device windows (a float window per device, decoded then reduced
+    like a ternary one; `ternary_accumulate` refuses the noise scale) give
     the noise scale of each device's micro-batches fed apart to one device:
     A and k are reduced with the decoded sums, the window's norm is taken
     after that one reduction."""
-    opt = ga.ternary_accumulate(
+    opt = ga.MultiSteps(
         optax.sgd(1.0),
         K,
-        min_size=10**6,
+        window_accumulator=ga.float_accumulator(jnp.float32),
         unreduced_axes="data",
         track_noise_scale=True,
         noise_scale_decay=NOISE_DECAY,

@@ -37,19 +37,21 @@ def _window(opt, grads, weights):
 
 def _formula(grads, weights, slot=None):
     """The weighted estimator in float64 numpy; sampled if ``slot`` is given
-    (``A = m w_j |g_j|^2`` for the window's ``m`` micro-batches)."""
+    (micro-batch ``j = slot`` measured: ``A = w_j |g_j|^2``, ``V = w_j``,
+    ``n = 1``; every one otherwise)."""
     g, w = np.asarray(grads, np.float64), np.asarray(weights, np.float64)
-    total, k = w.sum(), np.count_nonzero(w)
-    a = np.sum(w * np.sum(g**2, axis=1))
-    if slot is not None:
-        a = len(w) * w[slot] * np.sum(g[slot] ** 2)
+    total = w.sum()
+    measured = w != 0 if slot is None else np.arange(len(w)) == slot
+    measured &= w != 0
+    a = np.sum(np.where(measured, w * np.sum(g**2, axis=1), 0.0))
+    v, n = w[measured].sum(), np.count_nonzero(measured)
     c = np.sum((w @ g / total) ** 2)
-    trace = (a - total * c) / (k - 1)
+    trace = (a - v * c) / (n - v / total)
     return c - trace / total, trace
 
 
 @pytest.mark.parametrize("estimator", ["all", "sampled"])
-@pytest.mark.parametrize("make", ["MultiSteps", "accumulate", "ternary_accumulate"])
+@pytest.mark.parametrize("make", ["MultiSteps", "accumulate"])
 def test_one_window_matches_the_weighted_formula(make, estimator):
     grads = [[1.0, 2.0, -1.0], [3.0, 0.5, 0.0], [-2.0, 1.0, 4.0], [0.0, 0.0, 1.0]]
     weights = [3.0, 1.0, 5.0, 2.0]
@@ -62,8 +64,7 @@ def test_one_window_matches_the_weighted_formula(make, estimator):
         noise_scale_estimator=estimator,
     )
     stats = opt.stats(_window(opt, grads, weights))
-    # The first window's slot; the ternary window (leaves below `min_size`
-    # are exact) has the same norms.
+    # The first window's slot.
     slot = int(sampled_slot(0, 4)) if estimator == "sampled" else None
     grad_sq_norm, trace = _formula(grads, weights, slot)
     np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-5)
@@ -155,25 +156,18 @@ def test_reset_drops_the_partial_windows_terms_and_keeps_the_estimate():
     assert float(opt.stats(state).noise_trace) == float(before.noise_trace)
 
 
-def test_ternary_accumulate_tracks_the_noise_scale_with_the_codes_noise():
-    """The window's norm is the decoded codes': their variance enters C, so
-    tr(S) comes out lower and |G|^2 higher than from a float window."""
-    kwargs = {"track_noise_scale": True, "noise_scale_decay": 0.0}
-    ternary = ga.ternary_accumulate(optax.sgd(0.0), 4, min_size=1, **kwargs)
-    exact = ga.accumulate(optax.sgd(0.0), 4, **kwargs)
-    params = {"w": jnp.zeros(4096)}
-    states = [ternary.init(params), exact.init(params)]
-    for i in range(4):
-        g = {"w": 1.0 + jax.random.normal(jax.random.key(i), (4096,))}
-        states = [
-            tx.update(g, state, params)[1]
-            for tx, state in zip((ternary, exact), states, strict=True)
-        ]
-    coded, floats = ternary.stats(states[0]), exact.stats(states[1])
-    # The micro-batch norms (A) are the exact gradients' in both.
-    assert 2000 < float(floats.grad_sq_norm) < 6000  # |G|^2 = 4096
-    assert float(coded.noise_trace) < float(floats.noise_trace)
-    assert float(coded.grad_sq_norm) > float(floats.grad_sq_norm)
+def test_ternary_accumulate_refuses_the_noise_scale():
+    """A ternary window's decoded sum carries the codes' rounding variance
+    into |G_win|^2 and keeps no float sum to take it from: refused."""
+    for kwargs in (
+        {"track_noise_scale": True},
+        {"every_k": ga.adaptive_every_k(1, 2, 8)},
+    ):
+        with pytest.raises(ValueError, match=r"cannot measure without bias") as error:
+            ga.ternary_accumulate(optax.sgd(0.0), **{"every_k": 4, **kwargs})
+        assert f"`{next(iter(kwargs))}`" in str(error.value)
+    untracked = ga.ternary_accumulate(optax.sgd(0.0), 4)
+    assert untracked.init({"w": jnp.zeros(4)}).noise == ()
 
 
 # --- linear regression: closed forms ---------------------------------------------
@@ -192,11 +186,14 @@ def _regression_grad(w, x, y, mask):
     return residual @ x / jnp.maximum(mask.sum(), 1.0)
 
 
-def _regression_estimates(sizes, seeds, use_microbatching=False, estimator="all"):
+def _regression_estimates(
+    sizes, seeds, use_microbatching=False, estimator="all", window=None
+):
     """One window of micro-batches of ``sizes`` examples per seed (vmapped).
 
     Seed ``i``'s window is the ``i``-th of a run (its ``gradient_step``), so
-    a sampled estimator draws its slot anew for each.
+    a sampled estimator draws its slot anew for each; with ``window`` every
+    seed's window is that one (the same drawn slot).
     """
     sizes = np.asarray(sizes)
     k, width = len(sizes), int(sizes.max())
@@ -247,7 +244,10 @@ def _regression_estimates(sizes, seeds, use_microbatching=False, estimator="all"
         return stats.grad_sq_norm, stats.noise_trace
 
     keys = jax.random.split(jax.random.key(0), seeds)
-    return jax.jit(jax.vmap(one_seed))(keys, jnp.arange(seeds, dtype=jnp.int32))
+    windows = jnp.arange(seeds, dtype=jnp.int32)
+    if window is not None:
+        windows = jnp.full([seeds], window, jnp.int32)
+    return jax.jit(jax.vmap(one_seed))(keys, windows)
 
 
 @pytest.mark.parametrize(
@@ -282,6 +282,34 @@ def test_unbiased_against_closed_forms_on_linear_regression(
     # many standard errors away, so the test above can tell.
     naive = g2 + trace / np.sum(sizes)
     assert naive.mean() - TRUE_G2 > 10 * g2.std() / np.sqrt(seeds)
+
+
+def _window_drawing(size, sizes, m):
+    """The first window index whose drawn slot holds a micro-batch of ``size``."""
+    return next(n for n in range(100) if sizes[int(sampled_slot(n, m))] == size)
+
+
+@pytest.mark.parametrize("drawn_size", [2, 14])
+def test_sampled_is_unbiased_for_each_drawn_slot_with_unequal_weights(drawn_size):
+    """Micro-batches of 2 and 14 examples in turn: whichever is drawn, the
+    window is measured at its two batch sizes (``w_j`` and ``W``), so the
+    mean over seeds of one window's estimate (its slot the same for all)
+    is the truth. Scaling the drawn norm to ``m w_j |g_j|^2`` instead is
+    unbiased only over the draws: a drawn 2 gave tr(S) 45% low, a 14 48%
+    high (B_simple 0.49x and 1.66x), and a run's windows draw the same
+    slots for every seed."""
+    sizes, seeds = [2, 14] * 4, 4000
+    window = _window_drawing(drawn_size, sizes, len(sizes))
+    g2, trace = map(
+        np.asarray,
+        _regression_estimates(sizes, seeds, estimator="sampled", window=window),
+    )
+    for values, truth in ((g2, TRUE_G2), (trace, TRUE_TRACE)):
+        mean, error = values.mean(), values.std() / np.sqrt(seeds)
+        assert abs(mean - truth) < 4 * error, (mean, truth, error)
+        assert 4 * error < 0.2 * truth  # the test can tell a 45% bias
+    # B_simple from the two means (as `stats` divides two averages).
+    np.testing.assert_allclose(trace.mean() / g2.mean(), TRUE_TRACE / TRUE_G2, rtol=0.1)
 
 
 # --- digits: brute force -----------------------------------------------------------
@@ -394,24 +422,26 @@ def _sampled(m, **kwargs):
     )
 
 
-def test_sampled_records_m_w_j_g_j_squared_for_the_drawn_slot_only():
-    """A holds ``m w_j |g_j|^2`` from the micro-step that fills slot j (0
-    before it), k counts every micro-batch of nonzero weight, and each
-    window's estimate is the formula with that A: one norm per window."""
+def test_sampled_records_w_j_g_j_squared_for_the_drawn_slot_only():
+    """A holds ``w_j |g_j|^2`` from the micro-step that fills slot j (0
+    before it), V its weight and n = 1, k counts every micro-batch of
+    nonzero weight, and each window's estimate is the formula with them: one
+    norm per window. A drawn micro-batch of weight 0 measures nothing: the
+    estimate stays the last window's."""
     m, windows = 4, 24
     opt = _sampled(m)
     rs = np.random.RandomState(0)
     params = {"w": jnp.zeros(3)}
     state = opt.init(params)
     step = jax.jit(lambda g, w, s: opt.update({"w": g}, s, params, weight=w)[1])
-    slots = []
+    slots, grad_sq_norm, trace = [], np.nan, np.nan
     for window in range(windows):
         grads = rs.randn(m, 3).astype(np.float32)
         weights = rs.choice([0.0, 1.0, 2.0, 5.0], m).astype(np.float32)
         weights[:2] = [3.0, 1.0]  # k >= 2: an estimate
         slot = int(sampled_slot(window, m))
         slots.append(slot)
-        sampled = m * weights[slot] * np.sum(grads[slot].astype(np.float64) ** 2)
+        sampled = weights[slot] * np.sum(grads[slot].astype(np.float64) ** 2)
         for i in range(m):
             state = step(grads[i], weights[i], state)
             if i < m - 1:  # the window is still open
@@ -421,8 +451,12 @@ def test_sampled_records_m_w_j_g_j_squared_for_the_drawn_slot_only():
                 assert float(state.noise.micro_batches) == np.count_nonzero(
                     weights[: i + 1]
                 )
+                filled = i >= slot
+                assert float(state.noise.measured_weight) == weights[slot] * filled
+                assert float(state.noise.measured_count) == (weights[slot] > 0) * filled
         stats = opt.stats(state)
-        grad_sq_norm, trace = _formula(grads, weights, slot)
+        if weights[slot] > 0:
+            grad_sq_norm, trace = _formula(grads, weights, slot)
         # float32 sums, and both estimates are differences that may cancel.
         np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-4)
         np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-4)
@@ -444,7 +478,8 @@ def test_sampled_slot_is_uniform_and_a_function_of_the_window_only():
 def test_sampled_slots_are_filled_micro_batches(count_skipped):
     """Without ``count_skipped`` a skipped micro-batch takes no slot: slot j
     is the (j+1)-th accepted micro-batch. With it, a skipped micro-batch in
-    the drawn slot takes it with weight 0, and the window's A is 0."""
+    the drawn slot takes it with weight 0: the window measures nothing and
+    gives no estimate."""
     m = 4
     opt = _sampled(m, skip_nonfinite=True, count_skipped=count_skipped)
     slot = int(sampled_slot(0, m))
@@ -469,46 +504,46 @@ def test_sampled_slots_are_filled_micro_batches(count_skipped):
         window[slot] = [0.0, 0.0]
         window_weights = [weights[i] if i < slot else weights[i - 1] for i in range(m)]
         window_weights[slot] = 0.0
-        expected = _formula(window, window_weights, slot)
+        assert float(state.noise.measured_count) == 0.0
+        expected = (np.nan, np.nan)
     else:  # slot j is the next accepted micro-batch
         expected = _formula(accepted, weights, slot)
     stats = opt.stats(state)
+    assert np.isnan(float(stats.noise_trace)) == count_skipped
     np.testing.assert_allclose(stats.grad_sq_norm, expected[0], rtol=1e-5)
     np.testing.assert_allclose(stats.noise_trace, expected[1], rtol=1e-5)
 
 
-def test_a_flushed_window_gives_no_sampled_estimate():
-    """A window closed before its m slots are filled is not an m-slot sample:
-    under "sampled" it leaves the averages as they are; "all" measures it."""
-    grads = [[3.0, 0.0], [1.0, 4.0], [-1.0, 2.0]]
+def test_a_flushed_window_is_measured_if_its_drawn_slot_was_filled():
+    """A window closed before its m slots are filled (`flush`) still holds
+    two batch sizes: the drawn micro-batch and the window. Its estimate is
+    the formula on the micro-batches seen if slot j was among them; if not,
+    nothing was measured and the averages stay as they are."""
+    m, seen = 4, 3
+    rs = np.random.RandomState(2)
     params = {"w": jnp.zeros(2)}
-
-    def flushed(opt, state):
-        for g in grads:
-            _, state = opt.update({"w": jnp.asarray(g)}, state, params)
-        return opt.flush(state, params)[1]
-
-    every = _sampled(4, **ALL)
-    np.testing.assert_allclose(
-        every.stats(flushed(every, every.init(params))).noise_trace,
-        _formula(grads, [1.0] * 3)[1],
-        rtol=1e-6,
-    )
-    opt = _sampled(4)
-    state = jax.jit(lambda s: flushed(opt, s))(opt.init(params))
-    assert int(state.gradient_step) == 1
-    assert all(bool(jnp.isnan(v)) for v in opt.stats(state)[5:])
-    assert float(state.noise.decay_power) == 1.0
-    # After a full window, a flushed one leaves its estimate unchanged.
-    for g in grads + [[2.0, 2.0]]:
-        _, state = opt.update({"w": jnp.asarray(g)}, state, params)
-    before = state.noise
-    assert np.isfinite(float(opt.stats(state).noise_trace))
-    state = flushed(opt, state)
-    assert int(state.gradient_step) == 3
-    for name in ("grad_sq_norm", "noise_trace", "decay_power"):
-        assert float(getattr(state.noise, name)) == float(getattr(before, name))
-    assert float(state.noise.sq_norm_sum) == float(state.noise.micro_batches) == 0.0
+    opt = _sampled(m)
+    flush = jax.jit(lambda s: opt.flush(s, params)[1])
+    step = jax.jit(lambda g, w, s: opt.update({"w": g}, s, params, weight=w)[1])
+    state, outcomes = opt.init(params), set()
+    for window in range(8):
+        grads = rs.randn(seen, 2).astype(np.float32)
+        weights = rs.choice([1.0, 2.0, 5.0], seen).astype(np.float32)
+        before = opt.stats(state)
+        for g, w in zip(grads, weights, strict=True):
+            state = step(g, w, state)
+        state = flush(state)
+        assert int(state.gradient_step) == window + 1
+        stats = opt.stats(state)
+        slot = int(sampled_slot(window, m))
+        outcomes.add(slot < seen)
+        if slot < seen:
+            grad_sq_norm, trace = _formula(grads, weights, slot)
+            np.testing.assert_allclose(stats.noise_trace, trace, rtol=1e-4)
+            np.testing.assert_allclose(stats.grad_sq_norm, grad_sq_norm, rtol=1e-4)
+        else:
+            np.testing.assert_array_equal(stats.noise_trace, before.noise_trace)
+    assert outcomes == {True, False}  # both cases were drawn
 
 
 def test_sampled_run_resumes_bitwise_from_a_checkpoint():
@@ -561,7 +596,7 @@ def test_sampled_bfloat16_gradients_are_measured_in_float32():
     if slot < m - 1:
         np.testing.assert_allclose(
             state.noise.sq_norm_sum,
-            m * weights[slot] * np.sum(as_float[slot] ** 2),
+            weights[slot] * np.sum(as_float[slot] ** 2),
             rtol=1e-6,
         )
     _, state = opt.update({"w": grads[-1]}, state, params, weight=weights[-1])
@@ -637,10 +672,10 @@ def _per_device_run(m, weighted, estimator):
 @pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_sampled_per_device_terms_are_the_drawn_micro_batchs(mesh_name, weighted):
-    """Each device adds its own term of the drawn micro-batch (m times), the
-    same slot on every device; k counts every (device, micro-batch) pair of
-    nonzero weight. Both estimators against the devices' gradients taken
-    apart on the host."""
+    """Each device adds its own term of the drawn micro-batch, the same slot
+    on every device (n counts the devices' terms in it, V their weight); k
+    counts every (device, micro-batch) pair of nonzero weight. Both
+    estimators against the devices' gradients taken apart on the host."""
     shape, axes, axis_type = MESHES[mesh_name]
     devices, m, windows = shape[0], 3, 3
     rs = np.random.RandomState(5)
@@ -683,7 +718,7 @@ def test_sampled_per_device_terms_are_the_drawn_micro_batchs(mesh_name, weighted
                     noise = runs["sampled"][2](states["sampled"]).noise
                     np.testing.assert_allclose(
                         float(noise.sq_norm_sum),
-                        m * window_terms[slot][0] if i >= slot else 0.0,
+                        window_terms[slot][0] if i >= slot else 0.0,
                         rtol=1e-5,
                     )
                     assert float(noise.micro_batches) == sum(
@@ -691,9 +726,13 @@ def test_sampled_per_device_terms_are_the_drawn_micro_batchs(mesh_name, weighted
                     )
             a_all, k, total = (sum(t[j] for t in window_terms) for j in range(3))
             mean_sq = np.sum((sum(t[3] for t in window_terms) / total) ** 2)
-            for name, a in (("all", a_all), ("sampled", m * window_terms[slot][0])):
+            drawn = window_terms[slot]
+            for name, (a, v, n) in (
+                ("all", (a_all, total, k)),
+                ("sampled", (drawn[0], drawn[2], drawn[1])),
+            ):
                 stats = runs[name][0].stats(states[name])
-                trace = (a - total * mean_sq) / (k - 1)
+                trace = (a - v * mean_sq) / (n - v / total)
                 np.testing.assert_allclose(
                     stats.noise_trace, trace, rtol=1e-4, err_msg=name
                 )
@@ -704,6 +743,73 @@ def test_sampled_per_device_terms_are_the_drawn_micro_batchs(mesh_name, weighted
                     atol=1e-4 * abs(trace / total),
                     err_msg=name,
                 )
+
+
+# A ternary window reduction: the codes' rounding is subtracted from C.
+
+TERNARY_DIM, TERNARY_K, TERNARY_EXAMPLES = 256, 4, 4  # examples per device
+TERNARY_DELTA = jnp.full(TERNARY_DIM, 1 / 16.0)  # |G|^2 = 1
+TERNARY_TRACE = TERNARY_DIM * (1 + SIGMA**2) + 1  # tr(S) = B_simple = 513
+
+
+def _ternary_window_estimates(axis_type, windows):
+    """Per window ``(|G|^2, tr(S))`` of a ternary-reduced window over 8
+    devices, each with its own examples of the closed-form regression."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    opt = ga.MultiSteps(
+        optax.sgd(0.0),
+        TERNARY_K,
+        unreduced_axes="data",
+        window_reduction=ga.ternary_window_reduction(0),
+        track_noise_scale=True,
+        noise_scale_decay=0.0,
+        noise_scale_estimator="all",
+    )
+    grad_fn = ga.local_value_and_grad(
+        lambda w, x, y: (0.5 * jnp.mean((x @ w - y) ** 2), jnp.float32(len(y))),
+        "data",
+        has_weight=True,
+    )
+    rows = 8 * TERNARY_EXAMPLES
+    explicit = axis_type == AxisType.Explicit
+    place = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+    with jax.set_mesh(mesh):
+        w = jax.device_put(TERNARY_DELTA, P())  # w* = 0
+
+        def micro_step(state, key):
+            kx, ke = jax.random.split(key)
+            x = jax.random.normal(kx, (rows, TERNARY_DIM))
+            y = SIGMA * jax.random.normal(ke, (rows,))
+            x, y = (place(v, P("data")) for v in (x, y))
+            (_, weight), grads = grad_fn(w, x, y)
+            _, state = opt.update(grads, state, w, weight=weight)
+            stats = opt.stats(state)
+            return state, (
+                stats.grad_sq_norm,
+                stats.noise_trace,
+                opt.has_updated(state),
+            )
+
+        run = jax.jit(lambda state, keys: jax.lax.scan(micro_step, state, keys)[1])
+        keys = jax.random.split(jax.random.key(0), windows * TERNARY_K)
+        g2, trace, emitted = map(np.asarray, run(jax.jit(opt.init)(w), keys))
+    return g2[emitted].astype(np.float64), trace[emitted].astype(np.float64)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_ternary_window_reduction_noise_scale_is_unbiased(axis_type):
+    """The decoded window's squared norm holds the codes' rounding variance
+    (and lacks what clipping cut): the reduction reports that excess and
+    the estimator subtracts it. Before, |G|^2 came out about 7x the truth
+    and B_simple about 0.13x."""
+    windows = 150
+    g2, trace = _ternary_window_estimates(axis_type, windows)
+    assert len(g2) == windows
+    for values, truth in ((g2, 1.0), (trace, TERNARY_TRACE)):
+        mean, error = values.mean(), values.std() / np.sqrt(windows)
+        assert abs(mean - truth) < 4 * error, (mean, truth, error)
+        assert error < 0.1 * truth  # the test can tell
+    np.testing.assert_allclose(trace.mean() / g2.mean(), TERNARY_TRACE, rtol=0.3)
 
 
 # --- the adaptive window -----------------------------------------------------------
@@ -757,12 +863,84 @@ def test_adaptive_window_is_in_the_state_and_survives_a_round_trip():
     assert int(state.window_size) == int(restored.window_size) > 2
 
 
-def test_ternary_accumulate_takes_an_adaptive_window():
-    tx = ga.ternary_accumulate(optax.sgd(1.0), ga.adaptive_every_k(1, 2, 200))
-    state = tx.init({"w": jnp.zeros(512)})
-    # k_max 200 needs int16 code sums.
-    assert state.acc_grads.code_sums["w"].dtype == jnp.int16
-    assert int(state.window_size) == 2
+def _device_gradients(steps, devices=8, dim=16):
+    """Per-device gradients ``0.5 + s_d noise``: exact on half the devices
+    (B_simple 0: k_min), noisy on the others (B_simple 144 / 4: k_max)."""
+    noise = jax.random.normal(jax.random.key(7), (steps, devices, dim))
+    spread = jnp.where(jnp.arange(devices) < devices // 2, 0.0, 3.0)
+    return 0.5 + spread[None, :, None] * noise
+
+
+def _pmapped(opt, params):
+    step = jax.pmap(lambda g, s: opt.update(g, s, params), axis_name="devices")
+    state = jax.pmap(lambda _: opt.init(params), axis_name="devices")(jnp.arange(8))
+    return step, state
+
+
+def test_adaptive_window_under_pmap_is_one_size_for_all_devices():
+    """Each device estimates from its own gradients: alone, half the devices
+    pick k_min and half k_max after the first window, and with an
+    average_across_devices inside, those closing first would wait in its
+    all-reduce forever. With ``axis_name`` the window's estimate is the
+    devices' mean: one size on every device, and the run goes on."""
+    params = jnp.zeros(16)
+    grads = _device_gradients(2 + 8 + 8)
+    local = ga.MultiSteps(optax.sgd(1.0), ga.adaptive_every_k(1, 2, 8))
+    step, state = _pmapped(local, params)
+    for g in grads[:2]:
+        _, state = step(g, state)
+    sizes = np.asarray(state.window_size)
+    assert set(sizes[:4]) == {2} and min(sizes[4:]) > 2, sizes
+
+    inner = optax.chain(ga.average_across_devices("devices"), optax.sgd(1.0))
+    shared = ga.MultiSteps(inner, ga.adaptive_every_k(1, 2, 8, axis_name="devices"))
+    step, state = _pmapped(shared, params)
+    emitted = []
+    for i, g in enumerate(grads):
+        updates, state = step(g, state)
+        updates.block_until_ready()
+        # Checked before the next call: a disagreement never reaches a hang.
+        assert len(set(np.asarray(state.window_size).tolist())) == 1, (i, state)
+        emitted.append(bool(np.asarray(shared.has_updated(state))[0]))
+    assert int(state.window_size[0]) == 8
+    assert [i for i, e in enumerate(emitted) if e] == [1, 9, 17]
+    # The mean gradient is the same on every device.
+    np.testing.assert_array_equal(updates, np.broadcast_to(updates[0], updates.shape))
+    stats = jax.vmap(shared.stats)(state)
+    assert len(set(np.asarray(stats.noise_scale).tolist())) == 1
+
+
+@pytest.mark.parametrize("mapped", ["pmap", "shard_map"])
+def test_adaptive_window_without_axis_name_is_refused_where_devices_communicate(
+    mapped,
+):
+    inner = optax.chain(ga.average_across_devices("devices"), optax.sgd(1.0))
+    opt = ga.MultiSteps(inner, ga.adaptive_every_k(1, 2, 8))
+    params = jnp.zeros(16)
+    grads = _device_gradients(1)[0]
+    with pytest.raises(ValueError, match=r"axis_name='devices'") as error:
+        if mapped == "pmap":
+            _pmapped(opt, params)[0](grads, _pmapped(opt, params)[1])
+        else:
+            mesh = jax.make_mesh((8,), ("devices",))
+
+            @jax.shard_map(mesh=mesh, in_specs=P("devices"), out_specs=P("devices"))
+            def step(g):
+                _, state = opt.update(g[0], opt.init(params), params)
+                return state.window_size[None]
+
+            step(jax.device_put(grads, jax.NamedSharding(mesh, P("devices"))))
+    assert "wait in that collective forever" in str(error.value)
+
+
+def test_adaptive_axis_name_is_refused_with_unreduced_axes():
+    """With per-device terms the estimate is already the devices' together."""
+    with pytest.raises(ValueError, match=r"`axis_name` of adaptive_every_k.*"):
+        ga.MultiSteps(
+            optax.sgd(1.0),
+            ga.adaptive_every_k(1, 2, 8, axis_name="data"),
+            unreduced_axes="data",
+        )
 
 
 # --- cost ----------------------------------------------------------------------

@@ -235,10 +235,10 @@ def test_a_per_device_window_restored_on_fewer_devices_is_a_clear_error(axis_typ
 TP_SPECS = {"u": P(None, "model"), "v": P("model", None), "c": P("model")}
 
 
-def _window_sums(specs, *, seed=3):
+def _window_sums(specs, *, seed=3, track_noise_scale=False):
     """Two windows of 2 micro-batches of per-device gradients on the
     ``data`` 4 x ``model`` 2 mesh; their emitted updates, and the compiled
-    step."""
+    step (with ``track_noise_scale``, the last state's stats instead)."""
     rng = np.random.default_rng(0)
     params = {
         "u": jnp.asarray(rng.standard_normal((16, 64)), jnp.float32),
@@ -257,6 +257,8 @@ def _window_sums(specs, *, seed=3):
         2,
         unreduced_axes="data",
         window_reduction=ga.ternary_window_reduction(seed),
+        track_noise_scale=track_noise_scale,
+        noise_scale_estimator="all",
     )
     grad_fn = ga.local_value_and_grad(loss_fn, "data")
 
@@ -272,6 +274,8 @@ def _window_sums(specs, *, seed=3):
             x = jax.device_put(rng.standard_normal((16, 16), np.float32), P("data"))
             updates, state = jax.block_until_ready(step(params, state, x))
             emitted.append(updates)
+        if track_noise_scale:
+            return emitted[1::2], opt.stats(state)
         compiled = step.lower(params, state, x).compile()
     return emitted[1::2], compiled
 
@@ -301,6 +305,21 @@ def test_ternary_window_reduction_of_tensor_parallel_terms_keeps_their_split():
     # With the scales, the exact bias and the window weight: 460 bytes a
     # device against 888.
     assert 0.5 <= sum(words) / sum(replicated_words) <= 0.52
+
+
+def test_the_noise_scale_of_a_ternary_window_of_tensor_parallel_terms():
+    """What the codes add to the window's squared norm is summed over every
+    device's block: the estimate is the one of replicated params (the same
+    codes), not the one of a block."""
+    _, stats = _window_sums(TP_SPECS, track_noise_scale=True)
+    _, replicated = _window_sums(
+        jax.tree.map(lambda _: P(), TP_SPECS), track_noise_scale=True
+    )
+    assert np.isfinite(float(stats.grad_sq_norm))
+    for field in ("grad_sq_norm", "noise_trace"):
+        np.testing.assert_allclose(
+            float(getattr(stats, field)), float(getattr(replicated, field)), rtol=1e-5
+        )
 
 
 def test_a_per_device_ternary_window_of_tensor_parallel_params_is_a_clear_error():

@@ -55,10 +55,22 @@ def engine_parts(
             "device's gradients inside the shard_map instead and give a "
             "non-finite micro-batch weight 0 there."
         )
+    if unreduced_axes and window_size.axis_name is not None:
+        raise ValueError(
+            "`axis_name` of adaptive_every_k cannot be combined with "
+            "`unreduced_axes`: the window's per-device terms are summed over "
+            "the mesh before the noise scale is estimated, so the estimate "
+            "is already one for all devices. Use axis_name=None (it is for "
+            "pmap / shard_map with an average_across_devices inside)."
+        )
     statistics = _statistics(statistics)
     noise: tuple[WindowStatistic, ...] = ()
     if track_noise_scale:
-        noise = (_noise_scale.noise_scale_statistic(noise_scale_decay, estimator),)
+        noise = (
+            _noise_scale.noise_scale_statistic(
+                noise_scale_decay, estimator, window_size.axis_name
+            ),
+        )
     return Parts(
         opt=optax.with_extra_args_support(_checks.transformation("opt", opt)),
         store=_store(accumulator_dtype, window_accumulator, unreduced_axes),

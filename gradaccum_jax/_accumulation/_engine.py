@@ -185,6 +185,9 @@ def _plan(parts, state, grads_like, params, extra_args, layout) -> _Emission:
     inner_update, updates_shape = _inner_step.with_weight_if_accepted(
         inner_update, window_sum, weight, state.inner_opt_state
     )
+    parts.window_size.check_inner_update(
+        inner_update, window_sum, weight, state.inner_opt_state
+    )
     slots = _inner_step.UpdateSlots(state.acc_grads, updates_shape)
     position = WindowPosition(
         state.mini_step,
@@ -207,16 +210,21 @@ def _close_window(emission: _Emission, carry):
     stat_terms = [
         stat.window_terms(s) for stat, s in zip(parts.statistics, stats, strict=True)
     ]
-    (reduced, weight, stat_sums), reduction_state = parts.reduction.reduce(
-        (parts.store.reduction_terms(slots, updates, rest), window_weight, stat_terms),
-        layout,
-        reduction_state,
+    (reduced, weight, stat_sums), reduction_state, sum_sq_excess = (
+        parts.reduction.reduce_window(
+            (
+                parts.store.reduction_terms(slots, updates, rest),
+                window_weight,
+                stat_terms,
+            ),
+            layout,
+            reduction_state,
+        )
     )
     window_sum = parts.store.window_sum(slots, updates, reduced)
+    position = emission.position._replace(sum_sq_excess=sum_sq_excess)
     closed = [
-        stat.close(
-            stat.with_window_terms(s, sums), window_sum, weight, emission.position
-        )
+        stat.close(stat.with_window_terms(s, sums), window_sum, weight, position)
         for stat, s, sums in zip(parts.statistics, stats, stat_sums, strict=True)
     ]
     weight = _inner_step.ordered_after(weight, closed)

@@ -1,4 +1,14 @@
-"""How many micro-batches the next window holds: fixed, scheduled or adaptive."""
+"""How many micro-batches the next window holds: fixed, scheduled or adaptive.
+
+A size that is a function of the gradient step is the same on every device.
+An adaptive size follows the noise scale, which each device estimates from
+its own gradients under ``jax.pmap`` / ``jax.shard_map``: unless the
+estimate is shared over the mapped axis (``adaptive_every_k(axis_name=)``),
+the devices may choose different sizes, and an inner optimizer that
+communicates at the emission (`average_across_devices`) would then wait
+forever for the devices still filling their windows. `AdaptiveSize`
+refuses that at trace time.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ class ScheduledSize:
     """
 
     needs_noise_scale = False
+    axis_name = None
 
     def __init__(self, schedule: Callable[[Any], Any]):
         self._schedule = schedule
@@ -44,6 +55,10 @@ class ScheduledSize:
         del noise
         return window_size
 
+    def check_inner_update(self, inner_update: Callable[..., Any], *args: Any) -> None:
+        """Nothing to check: every device computes the same size."""
+        del inner_update, args
+
 
 class AdaptiveSize:
     """A window size kept in the state, chosen from the noise scale at each close."""
@@ -52,6 +67,7 @@ class AdaptiveSize:
 
     def __init__(self, adaptive: AdaptiveWindow):
         self._adaptive = adaptive
+        self.axis_name = adaptive.axis_name
 
     def initial(self) -> jax.Array:
         return self._adaptive.initial_size()
@@ -62,6 +78,62 @@ class AdaptiveSize:
 
     def next(self, window_size: jax.Array, noise: Any) -> jax.Array:
         return self._adaptive.next_size(window_size, _noise_scale.estimate(noise))
+
+    def check_inner_update(self, inner_update: Callable[..., Any], *args: Any) -> None:
+        """Raises if ``inner_update(*args)`` communicates over a mapped axis
+        while the noise scale is this device's own (no ``axis_name``).
+
+        Read from the update's jaxpr at trace time: its collectives, nested
+        ones included (a ``jit``, a ``cond``, a loop).
+        """
+        if self.axis_name is not None:
+            return
+        axes = sorted(_collective_axes(jax.make_jaxpr(inner_update)(*args).jaxpr))
+        if axes:
+            shown = axes[0] if len(axes) == 1 else tuple(axes)
+            raise ValueError(
+                "adaptive_every_k: the inner optimizer communicates over the "
+                f"mapped axis {shown!r} at each emission (e.g. "
+                "average_across_devices), but without `axis_name` each device "
+                "estimates the noise scale from its own gradients and picks "
+                "its own next window size: the devices that close a window "
+                "first would wait in that collective forever. Pass "
+                f"adaptive_every_k(..., axis_name={shown!r}) to share one "
+                "estimate, and one window size, over the devices."
+            )
+
+
+# Primitives through which devices wait for each other.
+_COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "all_gather",
+        "all_gather_invariant",
+        "all_to_all",
+        "ppermute",
+        "psum_scatter",
+        "reduce_scatter",
+    }
+)
+
+
+def _collective_axes(jaxpr: Any) -> set[str]:
+    """The named axes the collectives of ``jaxpr`` (and its sub-jaxprs) use."""
+    axes: set[str] = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _COLLECTIVES:
+            names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+            names = names if isinstance(names, tuple | list) else (names,)
+            axes.update(name for name in names if isinstance(name, str))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    axes |= _collective_axes(inner)
+    return axes
 
 
 def window_size_policy(

@@ -296,8 +296,11 @@ def ternary_accumulate(
       should_skip_update_fn: as in `MultiSteps`.
       skip_nonfinite: as in `MultiSteps`.
       count_skipped: as in `MultiSteps`.
-      track_noise_scale: as in `MultiSteps`; ``tr(S)`` comes out low by about
-        the codes' variance times the window weight.
+      track_noise_scale: must be False: the noise scale needs the squared
+        norm of the window's exact sum, which a ternary window never holds
+        (the codes' rounding variance would add to it, `_no_noise_scale`).
+        Track it with a float window (`MultiSteps`, or
+        `ternary_window_reduction` for ternary codes on the wire).
       noise_scale_decay: as in `MultiSteps`.
       noise_scale_estimator: as in `MultiSteps`: ``"sampled"`` or ``"all"``.
       unreduced_axes: one mesh axis over which the gradients arrive as
@@ -311,6 +314,7 @@ def ternary_accumulate(
       ``reset``, ``stats``, ``has_updated``), as `MultiSteps` gives; the
       state's ``acc_grads`` is a `TernaryAccumulatorState`.
     """
+    _no_noise_scale(every_k, track_noise_scale)
     code_sum_dtype = _code_sum_dtype(_window_limit(every_k, max_every_k))
     seed, clip_sigma, min_size = common_config(seed, clip_sigma, min_size)
     accumulator = _ternary_window_accumulator(
@@ -331,11 +335,37 @@ def ternary_accumulate(
     ).gradient_transformation()
 
 
+def _no_noise_scale(every_k: Any, track_noise_scale: Any) -> None:
+    """Refuses the gradient noise scale on a ternary window.
+
+    Its estimate needs ``|G_win|^2``, the squared norm of the window's sum.
+    The codes' rounding adds its variance to the decoded sum's squared norm
+    and the accumulator keeps no float sum to take it from: on the
+    closed-form regression of ``benchmarks/bench_noise_scale.py
+    --ternary`` (256 parameters, windows of 4 micro-batches of 32
+    examples, run before this refusal) ``|G|^2`` came out 7.4 against a
+    truth of 1 and ``B_simple`` 41 against 513. Only the window knows its
+    rounding (each micro-step's codes and re-roundings), so it is refused
+    rather than reported wrong.
+    """
+    adaptive = isinstance(every_k, AdaptiveWindow)
+    if track_noise_scale is True or adaptive:
+        argument = "every_k" if adaptive else "track_noise_scale"
+        raise ValueError(
+            f"ternary_accumulate: `{argument}` asks for the gradient noise "
+            "scale, which a ternary window cannot measure without bias (the "
+            "codes' rounding variance adds to the window's squared norm: "
+            "B_simple came out 12x too small on a closed-form regression). "
+            "Accepted: track_noise_scale=False and an int or callable "
+            "every_k. Track it with a float window (MultiSteps) or, for "
+            "ternary codes on the wire, MultiSteps(..., window_reduction="
+            "ternary_window_reduction(seed), unreduced_axes=...)."
+        )
+
+
 def _window_limit(every_k: Any, max_every_k: int | None) -> int:
     """The most micro-steps a window of ``every_k`` may hold, ``every_k`` and
     ``max_every_k`` checked: what its code sums must fit."""
-    if isinstance(every_k, AdaptiveWindow):
-        return every_k.k_max
     if callable(every_k):
         if max_every_k is None:
             return _CODE_SUM_DTYPES[-1][0]

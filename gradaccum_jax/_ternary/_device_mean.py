@@ -244,6 +244,56 @@ class MeanConfig(NamedTuple):
     clip_sigma: float | None
     min_size: int
     keep_residual: bool
+    # Whether `ternary_mean` also returns what the codes add to |mean|^2.
+    report_sq_excess: bool = False
+
+
+def ternary_mean_and_sq_excess(
+    axis: Any,
+    clip_sigma: float | None,
+    min_size: int,
+    updates: Any,
+    state: TernaryState,
+    splits: list[_blocks.Split] | None = None,
+) -> tuple[Any, TernaryState, jax.Array]:
+    """The unweighted ternary mean without error feedback, and by how much
+    its codes change its squared norm (`_sq_excess`), the same on every
+    device. ``splits`` as in `ternary_mean`."""
+    config = MeanConfig(axis, clip_sigma, min_size, False, report_sq_excess=True)
+    return ternary_mean(config, updates, state, None, splits)
+
+
+def _sq_excess(
+    inputs: dict[int, jax.Array],
+    scales: dict[int, jax.Array],
+    bounds: dict[int, jax.Array],
+    splits: list[_blocks.Split],
+    axis: Any,
+) -> jax.Array:
+    """``E|mean|^2 - |exact mean|^2``: what the codes of the compressed
+    leaves add to the squared norm of the mean, given the inputs.
+
+    A code of a device's share ``x``, clipped to ``c`` (``|c| <= s``), is
+    ``s sign(c)`` with probability ``|c| / s``, else 0: unbiased for ``c``
+    with variance ``s |c| - c^2``. The devices draw independently, so their
+    variances add up in the mean's. Clipping takes ``x - c`` away: each
+    device's ``|x|^2 - |c|^2`` is what that removes from the squared norm
+    of its own share (the cross terms between devices' clipping errors,
+    small next to it, are left out). Per element the excess is then
+    ``s |c| - x^2``; each device sums its own in float32 (an extra pass
+    over the shares, once per window) and one psum of a scalar adds them
+    (a leaf held in blocks split over other axes first sums its blocks'
+    over those).
+    On a closed-form regression (`tests/test_noise_scale.py`) it makes the
+    ``|G|^2`` estimated from a ternary window unbiased.
+    """
+    local = jnp.zeros([], jnp.float32)
+    for i, x in inputs.items():
+        clipped = clip(x, bounds[i])
+        leaf = jnp.sum(scales[i] * jnp.abs(clipped) - jnp.square(x))
+        split_axes = _blocks.axes_of(splits[i])
+        local += jax.lax.psum(leaf, split_axes) if split_axes else leaf
+    return jax.lax.psum(local, axis)
 
 
 def ternary_mean(
@@ -259,7 +309,8 @@ def ternary_mean(
     over mesh axes manual here besides ``config.axis`` (see `_blocks`):
     each device then codes and sends its own block, with the scale and the
     random bits of the whole leaf. None: every leaf whole, or split by
-    explicit sharding (which its type carries).
+    explicit sharding (which its type carries). With
+    ``config.report_sq_excess`` a third result is `_sq_excess`.
     """
     num_devices = _checks.bound_axis_size(config.axis, _CALLER)
     device = jax.lax.axis_index(config.axis)
@@ -298,13 +349,17 @@ def ternary_mean(
             )
 
     residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
-    return (
+    result = (
         jax.tree.unflatten(treedef, means),
         TernaryState(
             _random.advance(state.key),
             jax.tree.unflatten(residual_treedef, new_residuals),
         ),
     )
+    if not config.report_sq_excess:
+        return result
+    sq_excess = _sq_excess(inputs, scales, bounds, splits, config.axis)
+    return (*result, jnp.where(has_weight, sq_excess, 0.0))
 
 
 def _exact_means(

@@ -6,7 +6,7 @@ import jax
 
 from gradaccum_jax import _partials
 from gradaccum_jax._ternary import _random
-from gradaccum_jax._ternary._device_mean import MeanConfig, ternary_mean
+from gradaccum_jax._ternary._device_mean import ternary_mean_and_sq_excess
 from gradaccum_jax._ternary._error_feedback import TernaryState, residual_init
 from gradaccum_jax._ternary._leaves import (
     DEFAULT_MIN_SIZE,
@@ -40,6 +40,11 @@ def ternary_window_reduction(
     error is lost. The ternary guide, section "Ternary window reduction", has
     why, and how the random bits make a restored run emit the same updates.
 
+    It also says by how much the codes change the squared norm of the sum
+    (`WindowReduction.reports_sq_excess`: their rounding variance, less
+    what clipping removed, one more scalar psum per window), so that the
+    gradient noise scale tracked on the window stays unbiased.
+
     Args:
       seed: an integer in [0, 2**32 - 1].
       clip_sigma: TernGrad's clipping threshold in standard deviations;
@@ -63,17 +68,20 @@ def ternary_window_reduction(
     def reduce_fn(terms, layout, key):
         axis = tuple(sorted(layout.axes))
         axis = axis[0] if len(axis) == 1 else axis
-        config = MeanConfig(axis, clip_sigma, min_size, keep_residual=False)
 
         def local(blocks, splits, key):
             # Each device codes its own block of a split leaf (a
             # tensor-parallel term): nothing is gathered over its split.
             state = TernaryState(key, residual_init(blocks, min_size, False))
-            means, state = ternary_mean(config, blocks, state, None, splits)
+            means, state, sq_excess = ternary_mean_and_sq_excess(
+                axis, clip_sigma, min_size, blocks, state, splits
+            )
             num_devices = jax.lax.axis_size(axis)
             sums = jax.tree.map(lambda mean: mean * num_devices, means)
-            return sums, state.key
+            # The sums are the means times n: their squared norm n^2 times.
+            return sums, (state.key, sq_excess * num_devices**2)
 
-        return layout.over_term_blocks(local)(terms, key)
+        sums, (key, sq_excess) = layout.over_term_blocks(local)(terms, key)
+        return sums, key, sq_excess
 
-    return _partials.WindowReduction(init_fn, reduce_fn)
+    return _partials.WindowReduction(init_fn, reduce_fn, reports_sq_excess=True)
