@@ -1,4 +1,4 @@
-"""Measured bytes: what a state holds, what a compiled program all-reduces.
+"""Measured bytes: what a state holds, what a compiled program communicates.
 
 Memory and communication claims are checked on real objects: the arrays of
 a state, the collectives of compiled HLO, never a formula.
@@ -46,10 +46,11 @@ def state_nbytes(tree: Any) -> int:
 _HLO_DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16,
+    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e8m0fnu": 1,
 }  # fmt: skip
 _HLO_ALL_REDUCE = re.compile(r"=\s*(\(.*?\)|\S+)\s+all-reduce(?:-start)?\(")
-_HLO_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_HLO_SHAPE = re.compile(r"\b([a-z][a-z\d]*)\[([\d,]*)\]")
 # Replica groups of one device each, listed ({{0}}, {{0},{1}}) or as an
 # iota ([4,1]<=[4]): such an all-reduce moves no byte between devices.
 _HLO_SINGLE_DEVICE_GROUPS = re.compile(
@@ -150,10 +151,308 @@ def _shapes_nbytes(shapes: list[tuple[str, str]], where: str) -> int:
     for dtype, dims in shapes:
         if dtype not in _HLO_DTYPE_BYTES:
             raise ValueError(
-                f"all_reduce_nbytes: unknown HLO element type {dtype!r} in {where!r}."
+                f"unknown HLO element type {dtype!r} in {where!r}: the byte "
+                f"counts know {sorted(_HLO_DTYPE_BYTES)}."
             )
         total += (
             int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
             * (_HLO_DTYPE_BYTES[dtype])
         )
     return total
+
+
+# --- every collective ----------------------------------------------------
+
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
+
+
+class Collective(NamedTuple):
+    """One collective instruction of compiled HLO.
+
+    Attributes:
+      kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``,
+        ``"all-to-all"`` or ``"collective-permute"`` (an async
+        ``-start`` / ``-done`` pair is one collective).
+      name: the HLO instruction's name, to find it in ``as_text()``.
+      shapes: its result buffers as HLO writes them (``"f32[32,8]"``);
+        several for a fused tuple collective.
+      nbytes: bytes of its result buffers, on one device.
+      operand_nbytes: bytes of its operand buffers, on one device. The two
+        differ by the group size for an all-gather (result larger) and a
+        reduce-scatter (operand larger); a ring moves about
+        ``2 (n - 1) / n * nbytes`` per device for an all-reduce over ``n``
+        devices and ``(n - 1) / n`` of the larger buffer for the others.
+      groups: the device groups that take part, as logical device ids (the
+        positions in ``mesh.devices.flat``); for a collective-permute, the
+        sets of devices its source-target pairs connect.
+      group_size: devices per group (the largest group where they differ).
+      axes: the mesh axes a group spans, in the mesh's order, when a
+        ``mesh`` was given and every group is one whole sub-mesh over them;
+        otherwise None.
+      place: ``"entry"`` (runs once per call of the program), ``"loop"``
+        (inside a while loop's body or condition, directly or in a
+        computation called from there) or ``"branch"`` (in a conditional's
+        branch, outside any loop).
+      trips: the trip count of each enclosing while loop, outermost first,
+        None where XLA does not know it (a loop over a runtime condition,
+        such as one that runs zero or one time); ``()`` outside loops. A
+        scan over layers has a known count: the collective runs that many
+        times per call.
+    """
+
+    kind: str
+    name: str
+    shapes: tuple[str, ...]
+    nbytes: int
+    operand_nbytes: int
+    groups: tuple[tuple[int, ...], ...]
+    group_size: int
+    axes: tuple[str, ...] | None
+    place: str
+    trips: tuple[int | None, ...]
+
+
+_HLO_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([a-z][\w\-]*)\((.*)$"
+)
+_HLO_CALLEE = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+    r"=%?([\w.\-]+)"
+)
+_HLO_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_HLO_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_HLO_NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_HLO_REPLICA_COUNT = re.compile(r"\breplica_count=(\d+)")
+_HLO_LISTED_GROUPS = re.compile(
+    r"\b(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\}|)\}"
+)
+_HLO_IOTA_GROUPS = re.compile(
+    r"\breplica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+)
+
+
+class _Computation(NamedTuple):
+    """The instructions of one HLO computation, as text, and what it calls."""
+
+    is_entry: bool
+    lines: list[str]
+    calls: list[tuple[str, str, int | None]]  # (callee, "call"/"loop"/"branch", trips)
+
+
+def collectives(compiled: Any, mesh: Any = None) -> list[Collective]:
+    """Returns every collective of compiled HLO with its bytes, axes and place.
+
+    Reads the instructions of the optimized HLO (``compiled.as_text()``):
+    all-reduce, all-gather, reduce-scatter, all-to-all and
+    collective-permute, synchronous or as an async ``-start`` / ``-done``
+    pair, wherever they sit (the entry computation, a loop's body, a
+    conditional's branch, an async wrapper). Like `all_reduces`, it counts
+    instructions, not their executions: ``place`` and ``trips`` say how
+    often each runs. Collectives over groups of one device move nothing and
+    are left out.
+
+    Args:
+      compiled: ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
+      mesh: the ``jax.sharding.Mesh`` the program was compiled for, to name
+        the mesh axes of each collective's groups (``Collective.axes``);
+        logical device ``i`` of the HLO is the ``i``-th device of
+        ``mesh.devices.flat``. Without it ``axes`` is None.
+
+    Returns:
+      One `Collective` per collective instruction, in the order of the HLO
+      text.
+    """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    computations = _computations(text)
+    placed = _places(computations)
+    num_devices = _num_devices(text)
+    found = []
+    for name, computation in computations.items():
+        if name not in placed:
+            continue  # dead code: no path from the entry computation
+        place, trips = placed[name]
+        shapes_of = {}  # instruction name -> result shape text
+        done_shapes = {}  # an async start's name -> its done's result shape
+        for line in computation.lines:
+            match = _HLO_INSTRUCTION.match(line)
+            if match is None:
+                continue
+            result, shape, opcode, rest = match.groups()
+            shapes_of[result] = shape
+            if opcode.endswith("-done") and opcode[: -len("-done")] in COLLECTIVE_KINDS:
+                start = re.match(r"\s*%?([\w.\-]+)", rest)
+                if start:
+                    done_shapes[start.group(1)] = shape
+        for line in computation.lines:
+            match = _HLO_INSTRUCTION.match(line)
+            if match is None:
+                continue
+            result, shape, opcode, rest = match.groups()
+            kind = opcode.removesuffix("-start")
+            if kind not in COLLECTIVE_KINDS:
+                continue
+            if opcode.endswith("-start"):
+                shape = done_shapes.get(result, shape)
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            groups = _groups(line, kind, num_devices)
+            if max(map(len, groups), default=0) < 2:
+                continue
+            shapes = tuple(
+                f"{dtype}[{dims}]" for dtype, dims in _HLO_SHAPE.findall(shape)
+            )
+            found.append(
+                Collective(
+                    kind=kind,
+                    name=result,
+                    shapes=shapes,
+                    nbytes=_shapes_nbytes(_HLO_SHAPE.findall(shape), line),
+                    operand_nbytes=sum(
+                        _shapes_nbytes(_HLO_SHAPE.findall(shapes_of[o]), line)
+                        for o in operands
+                        if o in shapes_of
+                    ),
+                    groups=groups,
+                    group_size=max(map(len, groups)),
+                    axes=None if mesh is None else _mesh_axes(groups, mesh),
+                    place=place,
+                    trips=trips,
+                )
+            )
+    return found
+
+
+def _computations(text: str) -> dict[str, _Computation]:
+    """The HLO module's computations by name, in the order of the text."""
+    computations = {}
+    current = None
+    for line in text.splitlines():
+        header = _HLO_COMPUTATION.match(line)
+        if header and not line.startswith(" "):
+            current = _Computation(bool(header.group(1)), [], [])
+            computations[header.group(2)] = current
+            continue
+        if current is None or not line.strip() or line.strip() == "}":
+            continue
+        current.lines.append(line)
+        if " while(" in line:
+            trips = _HLO_TRIP_COUNT.search(line)
+            count = int(trips.group(1)) if trips else None
+            for callee in _HLO_CALLEE.findall(line):
+                current.calls.append((callee, "loop", count))
+            continue
+        kind = "branch" if " conditional(" in line else "call"
+        for callee in _HLO_CALLEE.findall(line):
+            current.calls.append((callee, kind, None))
+        for listed in _HLO_BRANCHES.findall(line):
+            for callee in re.findall(r"%?([\w.\-]+)", listed):
+                current.calls.append((callee, "branch", None))
+    return computations
+
+
+def _places(
+    computations: dict[str, _Computation],
+) -> dict[str, tuple[str, tuple[int | None, ...]]]:
+    """Where each computation reachable from the entry runs: place and trips.
+
+    A computation called from several places takes the first path found
+    from the entry, breadth first; XLA's SPMD output calls a computation
+    holding a collective from one place.
+    """
+    entry = next((n for n, c in computations.items() if c.is_entry), None)
+    if entry is None:
+        raise ValueError("collectives: the HLO text has no ENTRY computation.")
+    placed = {entry: ("entry", ())}
+    queue = [entry]
+    while queue:
+        caller = queue.pop(0)
+        place, trips = placed[caller]
+        for callee, how, count in computations[caller].calls:
+            if callee in placed or callee not in computations:
+                continue
+            if how == "loop":
+                placed[callee] = ("loop", (*trips, count))
+            elif how == "branch" and place == "entry":
+                placed[callee] = ("branch", trips)
+            else:
+                placed[callee] = (place, trips)
+            queue.append(callee)
+    return placed
+
+
+def _num_devices(text: str) -> int:
+    """Devices of the program: partitions times replicas (its header)."""
+    partitions = _HLO_NUM_PARTITIONS.search(text)
+    replicas = _HLO_REPLICA_COUNT.search(text)
+    return (int(partitions.group(1)) if partitions else 1) * (
+        int(replicas.group(1)) if replicas else 1
+    )
+
+
+def _groups(line: str, kind: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """The device groups of a collective instruction, whichever way written."""
+    iota = _HLO_IOTA_GROUPS.search(line)
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        reshape = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(np.prod(reshape, dtype=np.int64)).reshape(reshape)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
+    listed = _HLO_LISTED_GROUPS.search(line)
+    if listed is None or not listed.group(1):
+        # No groups written (``replica_groups={}``): one group of all devices.
+        return (tuple(range(num_devices)),)
+    groups = tuple(
+        tuple(int(i) for i in group.split(",") if i)
+        for group in re.findall(r"\{([\d,]*)\}", listed.group(1))
+    )
+    if kind == "collective-permute":
+        return _connected(groups)
+    return groups
+
+
+def _connected(pairs: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """The sets of devices that source-target pairs connect, each sorted."""
+    owner: dict[int, int] = {}
+
+    def root(device: int) -> int:
+        while owner.setdefault(device, device) != device:
+            device = owner[device]
+        return device
+
+    for source, target in pairs:
+        owner[root(source)] = root(target)
+    components: dict[int, list[int]] = {}
+    for device in sorted(owner):
+        components.setdefault(root(device), []).append(device)
+    return tuple(tuple(devices) for devices in components.values())
+
+
+def _mesh_axes(
+    groups: tuple[tuple[int, ...], ...], mesh: Any
+) -> tuple[str, ...] | None:
+    """The mesh axes each group spans whole, or None if they are not axes."""
+    shape = tuple(mesh.devices.shape)
+    if sum(map(len, groups)) > int(np.prod(shape)) or max(
+        (max(g) for g in groups if g), default=0
+    ) >= int(np.prod(shape)):
+        return None
+    spans = None
+    for group in groups:
+        coords = np.array(np.unravel_index(np.array(group), shape)).T
+        varying = tuple(
+            axis
+            for axis, name in enumerate(mesh.axis_names)
+            if len(set(coords[:, axis])) > 1
+        )
+        size = int(np.prod([shape[a] for a in varying], dtype=np.int64))
+        if len(set(map(tuple, coords))) != size or (spans not in (None, varying)):
+            return None
+        spans = varying
+    return tuple(mesh.axis_names[a] for a in spans)

@@ -5,16 +5,24 @@ spelling of ``chex.variants(with_jit=True, without_jit=True)``): Python-side
 branching and trace-time checks behave differently in the two.
 ``train_step_temp_bytes`` reads a donated train step's compiled temporaries;
 ``entry_arrays`` lists the arrays a compiled step makes on every call.
+``public_names`` lists the package's public names, its submodules' too.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 import pytest
+
+import gradaccum_jax
+
+# The public submodules: their names are public below the package's.
+PUBLIC_SUBMODULES = ("measure",)
 
 
 def _eager(fn):
@@ -61,3 +69,19 @@ def entry_arrays(compiled, dtype: str) -> list[tuple[str, int]]:
             dims = [int(d) for d in match.group(1).split(",") if d]
             found.append((line.strip()[:120], int(np.prod(dims))))
     return found
+
+
+def public_names() -> list[str]:
+    """Every public name, qualified below the package: ``MultiSteps``,
+    ``measure.collectives``: the top level's ``__all__`` and each public
+    submodule's."""
+    names = list(gradaccum_jax.__all__)
+    for submodule in PUBLIC_SUBMODULES:
+        module = getattr(gradaccum_jax, submodule)
+        names += [f"{submodule}.{name}" for name in module.__all__]
+    return names
+
+
+def public_object(qualified_name: str) -> Any:
+    """The object a name of `public_names` stands for."""
+    return functools.reduce(getattr, qualified_name.split("."), gradaccum_jax)

@@ -332,7 +332,7 @@ def test_sync_is_one_all_reduce_in_the_loop_and_nothing_else_runs_every_step(lay
         _grads(workers, 1),
         layout,
     )
-    reductions = ga.all_reduces(compiled)
+    reductions = ga.measure.all_reduces(compiled)
     assert [r for r in reductions if r.place == "entry"] == []
     # A device's block of the params in float32 (half of them with the
     # tensor-parallel or FSDP split over an inner axis of 2), and one
@@ -349,7 +349,7 @@ def test_pmap_sync_all_reduce_is_in_the_loop():
     state = jax.pmap(opt.init)(params)
     step = jax.pmap(lambda p, s, g: opt.update(g, s, p), axis_name="data")
     compiled = step.lower(params, state, _grads(N, 1)[0]).compile()
-    reductions = ga.all_reduces(compiled)
+    reductions = ga.measure.all_reduces(compiled)
     assert [r for r in reductions if r.place == "entry"] == []
     big = _param_sized(reductions)
     assert len(big) == 1 and big[0].place == "while-body"
@@ -392,9 +392,9 @@ def test_ternary_outer_reduction_moves_a_seventh_of_the_bytes():
     _, _, compiled = run_stacked(
         ga.diloco(optax.sgd(0.1), 2, axis_name="data"), params, _big_grads(1)
     )
-    plain = ga.all_reduces(compiled)
+    plain = ga.measure.all_reduces(compiled)
     _, _, compiled = run_stacked(_ternary_diloco(), params, _big_grads(1))
-    ternary = ga.all_reduces(compiled)
+    ternary = ga.measure.all_reduces(compiled)
     for reductions in (plain, ternary):
         assert all(r.place == "while-body" for r in reductions), reductions
     plain_bytes = sum(r.nbytes for r in plain)
@@ -518,7 +518,7 @@ def test_each_fragment_sync_moves_its_share_of_the_params(fragments):
     grads = [{k: np.ones((N, *p.shape), np.float32) for k, p in params.items()}]
     opt = ga.diloco(optax.sgd(0.1), 4, axis_name="data", fragments=fragments)
     _, state, compiled = run_stacked(opt, params, grads)
-    big = [r for r in ga.all_reduces(compiled) if r.nbytes > 64]
+    big = [r for r in ga.measure.all_reduces(compiled) if r.nbytes > 64]
     assert [r.place for r in big] == ["while-body"] * fragments
     for reduction in big:
         share = f32_bytes // fragments
@@ -848,7 +848,7 @@ def test_worker_value_and_grad_is_each_workers_own_gradient(layout):
         fn = jax.jit(ga.worker_value_and_grad(loss_fn, "data"))
         loss, grads = fn(stacked, *batch)
         compiled = fn.lower(stacked, *batch).compile()
-    assert ga.all_reduces(compiled) == []
+    assert ga.measure.all_reduces(compiled) == []
     assert loss.shape == (N,) and grads["w"].shape == (N, 4, 3)
     for d in range(N):
         own = {**params, "w": params["w"] + d}
