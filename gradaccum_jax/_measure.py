@@ -232,6 +232,15 @@ _HLO_REPLICA_COUNT = re.compile(r"\breplica_count=(\d+)")
 _HLO_LISTED_GROUPS = re.compile(
     r"\b(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\}|)\}"
 )
+# Groups written over a mesh of named axes: the mesh's axis sizes, its
+# device at each position (row-major; an iota, maybe transposed, or a list;
+# the identity when not written) and the axes the collective spans, e.g.
+# ``replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0))
+# {'axis_1'}``.
+_HLO_MESH_GROUPS = re.compile(
+    r"\breplica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}"
+)
 _HLO_IOTA_GROUPS = re.compile(
     r"\breplica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
 )
@@ -396,6 +405,8 @@ def _num_devices(text: str) -> int:
 
 def _groups(line: str, kind: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
     """The device groups of a collective instruction, whichever way written."""
+    if "replica_groups=mesh[" in line:
+        return _mesh_groups(line)
     iota = _HLO_IOTA_GROUPS.search(line)
     if iota:
         shape = [int(d) for d in iota.group(1).split(",")]
@@ -405,6 +416,10 @@ def _groups(line: str, kind: str, num_devices: int) -> tuple[tuple[int, ...], ..
             ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
         return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
     listed = _HLO_LISTED_GROUPS.search(line)
+    if listed is None and re.search(r"\b(?:replica_groups|source_target_pairs)=", line):
+        raise ValueError(
+            f"collectives: replica groups written in a form it cannot read: {line!r}"
+        )
     if listed is None or not listed.group(1):
         # No groups written (``replica_groups={}``): one group of all devices.
         return (tuple(range(num_devices)),)
@@ -415,6 +430,51 @@ def _groups(line: str, kind: str, num_devices: int) -> tuple[tuple[int, ...], ..
     if kind == "collective-permute":
         return _connected(groups)
     return groups
+
+
+def _mesh_groups(line: str) -> tuple[tuple[int, ...], ...]:
+    """The groups of ``replica_groups=mesh[...]``: devices along its axes."""
+    written = _HLO_MESH_GROUPS.search(line)
+    axes = re.findall(r"'?([\w.]+)'?=(\d+)", written.group(1)) if written else []
+    names = [name for name, _ in axes]
+    listed = written.group(3).split(",") if written else []
+    spanned = [token.strip().strip("'") for token in listed]
+    if not names or not all(name in names for name in spanned):
+        raise ValueError(
+            f"collectives: replica groups written in a form it cannot read: {line!r}"
+        )
+    sizes = [int(size) for _, size in axes]
+    count = int(np.prod(sizes, dtype=np.int64))
+    devices = (
+        np.arange(count)
+        if written.group(2) is None
+        else _device_ids(written.group(2), count, line)
+    )
+    kept = [names.index(name) for name in spanned]
+    fixed = [axis for axis in range(len(names)) if axis not in kept]
+    rows = devices.reshape(sizes).transpose(fixed + kept)
+    return tuple(
+        tuple(int(i) for i in row)
+        for row in rows.reshape(-1, int(np.prod([sizes[a] for a in kept])))
+    )
+
+
+def _device_ids(written: str, count: int, line: str) -> np.ndarray:
+    """The devices of ``device_ids=(...)``: an iota (``[2,4]T(1,0)``) or a list."""
+    iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", written.strip())
+    if iota:
+        dims = [int(d) for d in iota.group(1).split(",")]
+        ids = np.arange(np.prod(dims, dtype=np.int64)).reshape(dims)
+        if iota.group(2):
+            ids = ids.transpose([int(d) for d in iota.group(2).split(",")])
+        ids = ids.reshape(-1)
+    else:
+        ids = np.array([int(i) for i in re.findall(r"\d+", written)])
+    if ids.size != count:
+        raise ValueError(
+            f"collectives: {ids.size} device ids for a mesh of {count}: {line!r}"
+        )
+    return ids
 
 
 def _connected(pairs: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
@@ -119,6 +119,39 @@ def test_place_entry_loop_and_branch(mesh):
     ]
 
 
+def test_groups_written_over_named_mesh_axes(mesh):
+    """A shard_map manual over `data` only: XLA writes the gather over
+    `model` as ``replica_groups=mesh[...], device_ids=(...) {axis}``."""
+
+    def per_row_block(w, x):
+        return (x @ reshard(w, P())).sum(keepdims=True)
+
+    mapped = jax.shard_map(
+        per_row_block,
+        mesh=mesh,
+        in_specs=(P(), P("data")),
+        out_specs=P("data"),
+        axis_names={"data"},
+    )
+    w = jax.ShapeDtypeStruct(
+        (16, 32), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))
+    )
+    x = jax.ShapeDtypeStruct(
+        (8, 16), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+    )
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(mapped).lower(w, x).compile()
+    assert "replica_groups=mesh[" in compiled.as_text()
+    (gather,) = collectives(compiled, mesh)
+    assert gather.kind == "all-gather"
+    assert (gather.operand_nbytes, gather.nbytes) == (16 * 8 * 4, 16 * 32 * 4)
+    assert (gather.groups, gather.group_size, gather.axes) == (
+        MODEL_GROUPS,
+        4,
+        ("model",),
+    )
+
+
 def test_axes_need_a_mesh_and_whole_axes(mesh):
     def per_device(x):
         # Device 0 -> 1 only along `model`: a pair, not the whole axis.
@@ -158,6 +191,8 @@ ENTRY %main (x: f32[8,8]) -> f32[] {
   %ar-start = f32[8,8]{1,0} all-reduce-start(%x), channel_id=2, replica_groups={}, to_apply=%add
   %ar-done = f32[8,8]{1,0} all-reduce-done(%ar-start)
   %single = f32[8,8]{1,0} all-reduce(%x), channel_id=3, replica_groups=[8,1]<=[8], to_apply=%add
+  %named = f32[8,32]{1,0} all-gather(%x), channel_id=4, replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, dimensions={1}
+  %identity = f32[8,8]{1,0} all-reduce(%x), channel_id=6, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add
   %rs-start = ((f32[8,8]{1,0}), f32[2,8]{1,0}) async-start(%x), calls=%wrapped_reduce_scatter
   %rs-done = f32[2,8]{1,0} async-done(%rs-start), calls=%wrapped_reduce_scatter
   ROOT %out = f32[] constant(0)
@@ -204,7 +239,37 @@ def test_text_forms_of_other_backends(mesh):
             place="entry",
             trips=(),
         ),
+        Collective(
+            kind="all-gather",
+            name="named",
+            shapes=("f32[8,32]",),
+            nbytes=1024,
+            operand_nbytes=256,
+            groups=MODEL_GROUPS,
+            group_size=4,
+            axes=("model",),
+            place="entry",
+            trips=(),
+        ),
+        Collective(
+            kind="all-reduce",
+            name="identity",
+            shapes=("f32[8,8]",),
+            nbytes=256,
+            operand_nbytes=256,
+            groups=DATA_GROUPS,
+            group_size=2,
+            axes=("data",),
+            place="entry",
+            trips=(),
+        ),
     ]
+
+
+def test_unreadable_groups_are_an_error_not_a_guess():
+    text = _HLO.replace("replica_groups={}", "replica_groups=<some new form>")
+    with pytest.raises(ValueError, match="form it cannot read"):
+        collectives(text)
 
 
 def test_measure_is_a_namespace_of_its_own():
