@@ -9,6 +9,12 @@ groups, async ``-start`` / ``-done`` pairs) are pinned on HLO text.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -291,3 +297,50 @@ def test_unknown_element_type_is_named():
     text = text.replace("[8,1]<=[8]", "[2,4]<=[8]")
     with pytest.raises(ValueError, match="unknown HLO element type 'q7'"):
         collectives(text)
+
+
+# --- the reference configuration of benchmarks/bench_scale.py, 64 devices ---
+
+
+def test_reference_configuration_on_64_devices(tmp_path):
+    """The 0.81B-param reference of benchmarks/bench_scale.py, compiled for a
+    ``data`` 8 x ``model`` 8 mesh in a process of its own (this one has 8
+    devices): the plain path all-gathers nothing and holds fewer
+    temporaries than optax's."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    plain, reference = "ga.MultiSteps + jax.grad", "optax.MultiSteps + jax.grad"
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", ""
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "bench_scale.py"),
+            "--only",
+            "reference",
+            "--paths",
+            reference,
+            plain,
+            "--plots",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=env,
+    )
+    results = {r["path"]: r for r in json.loads((tmp_path / "scale.json").read_text())}
+    assert results[plain]["mesh"] == {"data": 8, "model": 8}
+    assert results[plain]["params"] == 2 * 24 * 2048 * 8192
+    for path in (reference, plain):
+        assert "error" not in results[path], results[path]
+        kinds = {c["kind"] for c in results[path]["collectives"]}
+        assert "all-gather" not in kinds, path
+        # The gradients' all-reduce over `data`, once per layer of the scan.
+        assert any(
+            c["axes"] == ["data"] and c["trips"] == [24]
+            for c in results[path]["collectives"]
+        ), path
+    assert results[plain]["micro_step"].get("all-gather", 0) == 0
+    assert results[plain]["temp_bytes"] < results[reference]["temp_bytes"]
