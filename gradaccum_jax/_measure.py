@@ -285,55 +285,49 @@ def collectives(compiled: Any, mesh: Any = None) -> list[Collective]:
     for name, computation in computations.items():
         if name not in placed:
             continue  # dead code: no path from the entry computation
-        place, trips = placed[name]
-        shapes_of = {}  # instruction name -> result shape text
-        done_shapes = {}  # an async start's name -> its done's result shape
-        for line in computation.lines:
-            match = _HLO_INSTRUCTION.match(line)
-            if match is None:
-                continue
-            result, shape, opcode, rest = match.groups()
-            shapes_of[result] = shape
-            if opcode.endswith("-done") and opcode[: -len("-done")] in COLLECTIVE_KINDS:
-                start = re.match(r"\s*%?([\w.\-]+)", rest)
-                if start:
-                    done_shapes[start.group(1)] = shape
-        for line in computation.lines:
-            match = _HLO_INSTRUCTION.match(line)
-            if match is None:
-                continue
-            result, shape, opcode, rest = match.groups()
+        instructions = [
+            (*match.groups(), line)
+            for line in computation.lines
+            if (match := _HLO_INSTRUCTION.match(line))
+        ]
+        shapes_of = {result: shape for result, shape, *_ in instructions}
+        # An async pair's result is the shape its ``-done`` writes.
+        for _, shape, opcode, rest, _ in instructions:
+            if opcode.endswith("-done") and opcode[:-5] in COLLECTIVE_KINDS:
+                shapes_of[re.match(r"\s*%?([\w.\-]+)", rest).group(1)] = shape
+        for result, _, opcode, rest, line in instructions:
             kind = opcode.removesuffix("-start")
             if kind not in COLLECTIVE_KINDS:
                 continue
-            if opcode.endswith("-start"):
-                shape = done_shapes.get(result, shape)
-            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
             groups = _groups(line, kind, num_devices)
-            if max(map(len, groups), default=0) < 2:
+            if max(map(len, groups)) < 2:
                 continue
-            shapes = tuple(
-                f"{dtype}[{dims}]" for dtype, dims in _HLO_SHAPE.findall(shape)
-            )
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            shape = shapes_of[result]
             found.append(
                 Collective(
                     kind=kind,
                     name=result,
-                    shapes=shapes,
-                    nbytes=_shapes_nbytes(_HLO_SHAPE.findall(shape), line),
+                    shapes=tuple(f"{t}[{d}]" for t, d in _HLO_SHAPE.findall(shape)),
+                    nbytes=_text_nbytes(shape, line),
                     operand_nbytes=sum(
-                        _shapes_nbytes(_HLO_SHAPE.findall(shapes_of[o]), line)
+                        _text_nbytes(shapes_of[o], line)
                         for o in operands
                         if o in shapes_of
                     ),
                     groups=groups,
                     group_size=max(map(len, groups)),
                     axes=None if mesh is None else _mesh_axes(groups, mesh),
-                    place=place,
-                    trips=trips,
+                    place=placed[name][0],
+                    trips=placed[name][1],
                 )
             )
     return found
+
+
+def _text_nbytes(shape: str, where: str) -> int:
+    """Bytes of the buffers of an HLO shape's text (a tuple's summed)."""
+    return _shapes_nbytes(_HLO_SHAPE.findall(shape), where)
 
 
 def _computations(text: str) -> dict[str, _Computation]:
