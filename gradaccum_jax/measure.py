@@ -8,12 +8,11 @@ device groups and mesh axes, and whether they run on every call or inside a
 loop.
 """
 
+from gradaccum_jax._collectives import Collective, collectives
 from gradaccum_jax._measure import (
     AllReduce,
-    Collective,
     all_reduce_nbytes,
     all_reduces,
-    collectives,
     state_nbytes,
 )
 
