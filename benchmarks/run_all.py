@@ -19,8 +19,8 @@ and how that grows, into ``benchmarks/plots/``:
   validation loss against examples seen and against bytes all-reduced,
   data parallel (float32, ternary) and DiLoCo;
 - ``scale.png`` (and its figures, ``scale.json``): compiled temporaries and
-  collective bytes per window of every training path on 64 emulated
-  devices (``--quick``: the reference configuration only).
+  collective bytes per window of every training path on 64 and 256
+  emulated devices (``--quick``: the reference configuration only).
 
 Run: ``python benchmarks/run_all.py [--quick] [--plots DIR]``
 """
