@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -26,10 +27,11 @@ STYLE = {
     },
 }
 MIB = 2**20
+GIB = 2**30
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
+def _save(fig, path: Path, rect: tuple | None = None) -> Path:
+    fig.tight_layout(rect=rect)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -200,3 +202,47 @@ def low_communication(data: dict, path: Path, where: str) -> Path:
         fontsize=10,
     )
     return _save(fig, path)
+
+
+def scale(results: list[dict], path: Path, where: str) -> Path:
+    """Temporaries and collective bytes per window of each path, per config."""
+    configs = list(dict.fromkeys(r["config"] for r in results))
+    fig, (memory_ax, bytes_ax) = plt.subplots(1, 2, figsize=(13, 5.5))
+    width = 0.8 / max(len(configs), 1)
+    paths = list(dict.fromkeys(r["path"] for r in results))
+    y = np.arange(len(paths))
+    lowest = {memory_ax: np.inf, bytes_ax: np.inf}
+    for i, config in enumerate(configs):
+        by_path = {r["path"]: r for r in results if r["config"] == config}
+        # A path that did not compile has no figures: no bar.
+        temps = [by_path.get(p, {}).get("temp_bytes", np.nan) / GIB for p in paths]
+        sent = [by_path.get(p, {}).get("window_bytes", np.nan) / GIB for p in paths]
+        offset = y + (i - (len(configs) - 1) / 2) * width
+        memory_ax.barh(offset, temps, height=width, label=config)
+        bytes_ax.barh(offset, sent, height=width, label=config)
+        lowest[memory_ax] = np.nanmin([lowest[memory_ax], *temps])
+        lowest[bytes_ax] = np.nanmin([lowest[bytes_ax], *sent])
+    for ax, title in (
+        (memory_ax, "compiled temporaries per device (GiB)"),
+        (bytes_ax, "collective result bytes per device per window (GiB)"),
+    ):
+        ax.set_yticks(y, paths, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        # Bars start well left of the smallest, so that its length shows.
+        ax.set_xlim(left=lowest[ax] / 4)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.legend(
+        *memory_ax.get_legend_handles_labels(),
+        loc="lower center",
+        ncol=len(configs),
+        fontsize=8,
+    )
+    bytes_ax.set_yticklabels([])
+    fig.suptitle(
+        f"Training paths at scale, compiled, not run (a missing bar: did not "
+        f"compile) ({where})",
+        fontsize=10,
+    )
+    return _save(fig, path, rect=(0, 0.06, 1, 1))  # the legend below

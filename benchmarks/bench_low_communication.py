@@ -31,7 +31,7 @@ tuned for hundreds of outer steps; see ``OUTER_LR``). Validation loss (the demo'
 the anchor, which every worker holds after a sync.
 
 Bytes are read from the compiled HLO of one pmapped train step with
-`gradaccum_jax.all_reduces`, not computed on paper: an all-reduce in the
+`gradaccum_jax.measure.all_reduces`, not computed on paper: an all-reduce in the
 entry computation runs on every step, one inside a while loop's body (the
 sync, which runs in a loop of zero or one trip) once per sync; bytes sent
 are each all-reduce's buffer times the number of times it runs.
@@ -303,7 +303,7 @@ def validation_curves(method: Method, task: Task, seeds: list[int], steps: int):
     return np.asarray(run(initial, jnp.asarray(indices))[0])
 
 
-def step_all_reduces(method: Method, task: Task) -> list[ga.AllReduce]:
+def step_all_reduces(method: Method, task: Task) -> list[ga.measure.AllReduce]:
     """The all-reduces of one compiled pmapped train step of ``method``."""
     train = tuple(jnp.asarray(a) for a in task.train)
     tx = method.optimizer()
@@ -320,10 +320,10 @@ def step_all_reduces(method: Method, task: Task) -> list[ga.AllReduce]:
     indices = jax.ShapeDtypeStruct((NUM_DEVICES, task.per_device_batch), jnp.int32)
     step = jax.pmap(train_step(tx, task, train), axis_name=AXIS)
     compiled = step.lower(per_device(params), per_device(state), indices).compile()
-    return ga.all_reduces(compiled)
+    return ga.measure.all_reduces(compiled)
 
 
-def bytes_sent(reductions: list[ga.AllReduce], steps: int, syncs: int) -> int:
+def bytes_sent(reductions: list[ga.measure.AllReduce], steps: int, syncs: int) -> int:
     """Bytes the all-reduces carry in ``steps`` steps with ``syncs`` syncs."""
     runs = {"entry": steps, "while-body": syncs}
     unexpected = [r for r in reductions if r.place not in runs]

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import _headline  # noqa: E402
 import gradaccum_jax  # noqa: E402
-from gradaccum_jax._measure import all_reduces  # noqa: E402
+from gradaccum_jax.measure import all_reduces  # noqa: E402
 
 N_DEVICES = 8
 

@@ -5,7 +5,7 @@ Measured, not computed from a formula:
 - wire bytes: the all-reduce buffers in the compiled HLO of one pmapped
   gradient-averaging step (``ternary_average_across_devices`` against a
   float32 ``pmean``) on the MLP below and on a 4M-parameter model;
-- accumulator bytes: ``state_nbytes`` of ``acc_grads`` of
+- accumulator bytes: ``measure.state_nbytes`` of ``acc_grads`` of
   ``ternary_accumulate`` against ``MultiSteps`` (float32);
 - accuracy: an MLP on scikit-learn's ``load_digits`` (1797 8x8 digits, 20 %
   held out), trained with adam at an effective batch of 128, (a) data-
@@ -165,12 +165,12 @@ def wire_bytes(averaging, params):
         )
     )
     step = jax.pmap(averaging.update, axis_name="i")
-    return ga.all_reduce_nbytes(step.lower(replicated, state).compile())
+    return ga.measure.all_reduce_nbytes(step.lower(replicated, state).compile())
 
 
 def accumulator_bytes(opt, params):
     state = jax.eval_shape(opt.init, params)
-    return ga.state_nbytes(state.acc_grads)
+    return ga.measure.state_nbytes(state.acc_grads)
 
 
 def _random_grads(params, seed=1):

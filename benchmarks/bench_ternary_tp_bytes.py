@@ -7,7 +7,7 @@ over ``model`` by columns and by rows (Megatron's split), against the same
 leaves replicated over ``model``: with the codes kept split, each device
 packs and sends about 1/m of the words with tensor parallelism over m
 devices. The figures are read from the compiled HLO
-(``gradaccum_jax.all_reduces``, every all-reduce of the sync); nothing runs.
+(``gradaccum_jax.measure.all_reduces``, every all-reduce of the sync); nothing runs.
 Each mesh shape needs its own device count, which XLA fixes when jax
 starts, so each runs in a child process. Also counted: the all-gathers of
 integer arrays (codes, packed words or their sums), which must be none.
@@ -65,7 +65,7 @@ def child(data: int, model: int) -> dict[str, float]:
                 return opt.update(grads, state, params)
 
             compiled = jax.jit(step).lower(stacked, state, stacked).compile()
-            out[name] = sum(r.nbytes for r in ga.all_reduces(compiled))
+            out[name] = sum(r.nbytes for r in ga.measure.all_reduces(compiled))
             out[f"{name} integer all-gathers"] = len(
                 re.findall(r"= [su]\d+\[[\d,]*\]\S* all-gather\(", compiled.as_text())
             )

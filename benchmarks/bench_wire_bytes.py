@@ -7,7 +7,7 @@ is compiled for ``average_across_devices`` (float32 mean) and
 ``ternary_average_across_devices`` (ternary codes summed in packed integer
 fields, whose width grows with the device count), and the bytes its
 all-reduces carry are read from the compiled HLO with
-``gradaccum_jax.all_reduce_nbytes``. Nothing runs: the figures are those of
+``gradaccum_jax.measure.all_reduce_nbytes``. Nothing runs: the figures are those of
 the compiled programs. The float32 column is checked against 4 bytes per
 parameter, the count of the fused tuple all-reduce included.
 
@@ -54,7 +54,7 @@ def child(num_devices: int) -> dict[str, int]:
         state = jax.eval_shape(tx.init, params)
         step = jax.pmap(tx.update, axis_name="i")
         compiled = step.lower(per_device(params), per_device(state)).compile()
-        out[name] = ga.all_reduce_nbytes(compiled)
+        out[name] = ga.measure.all_reduce_nbytes(compiled)
     return out
 
 

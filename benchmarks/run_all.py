@@ -17,7 +17,10 @@ and how that grows, into ``benchmarks/plots/``:
   float32;
 - ``low_communication.png`` (and its figures, ``low_communication.json``):
   validation loss against examples seen and against bytes all-reduced,
-  data parallel (float32, ternary) and DiLoCo.
+  data parallel (float32, ternary) and DiLoCo;
+- ``scale.png`` (and its figures, ``scale.json``): compiled temporaries and
+  collective bytes per window of every training path on 64 and 256
+  emulated devices (``--quick``: the reference configuration only).
 
 Run: ``python benchmarks/run_all.py [--quick] [--plots DIR]``
 """
@@ -54,6 +57,7 @@ BENCHMARKS = (
         ["--plot-dir", ""],
         ["--plot-dir", "", "--steps", "128", "--seeds", "1"],
     ),
+    ("bench_scale.py", ["--plots", ""], ["--plots", "", "--only", "reference"]),
 )
 
 
@@ -116,6 +120,9 @@ def draw(results: dict[str, dict], out: Path, where: str) -> list[Path]:
     figures_path = out / "low_communication.json"
     out.mkdir(parents=True, exist_ok=True)
     figures_path.write_text(json.dumps(low_communication, indent=1) + "\n")
+    scale = results["bench_scale.py"]["data"]["results"]
+    scale_path = out / "scale.json"
+    scale_path.write_text(json.dumps(scale, indent=1) + "\n")
     return [
         _plots.accumulation_vs_params(
             accumulation["sweep_params"], out / "accumulation_params.png", where
@@ -138,6 +145,8 @@ def draw(results: dict[str, dict], out: Path, where: str) -> list[Path]:
             low_communication, out / "low_communication.png", where
         ),
         figures_path,
+        _plots.scale(scale, out / "scale.png", where),
+        scale_path,
     ]
 
 

@@ -386,7 +386,7 @@ class RunResult:
 
 def _bytes_per_call_and_window(compiled) -> tuple[int, int]:
     """All-reduced bytes on every call, and once per emitted window."""
-    ops = ga.all_reduces(compiled)
+    ops = ga.measure.all_reduces(compiled)
     every_call = sum(op.nbytes for op in ops if op.place == "entry")
     return every_call, sum(op.nbytes for op in ops) - every_call
 

@@ -50,13 +50,8 @@ from gradaccum_jax._ternary import (
     ternary_window_reduction,
 )
 
-# --- measurement ---
-from gradaccum_jax._measure import (
-    AllReduce,
-    all_reduce_nbytes,
-    all_reduces,
-    state_nbytes,
-)
+# --- submodules: what reads compiled programs and states ---
+from gradaccum_jax import measure
 
 # --- data parallelism under jax.jit: per-device gradients ---
 from gradaccum_jax._local import local_value_and_grad
@@ -81,10 +76,7 @@ __all__ = [
     "AdaptiveWindow",
     "adaptive_every_k",
     "AccumulationTransformation",
-    "AllReduce",
     "anchor_params",
-    "all_reduce_nbytes",
-    "all_reduces",
     "average_across_devices",
     "clip",
     "clip_by_global_norm",
@@ -105,7 +97,6 @@ __all__ = [
     "skip_large_updates",
     "skip_not_finite",
     "stack_workers",
-    "state_nbytes",
     "ternarize",
     "ternary_accumulate",
     "ternary_average_across_devices",

@@ -1,4 +1,4 @@
-"""Measured bytes: what a state holds, what a compiled program all-reduces.
+"""Measured bytes: what a state holds, what a compiled program communicates.
 
 Memory and communication claims are checked on real objects: the arrays of
 a state, the collectives of compiled HLO, never a formula.
@@ -46,10 +46,11 @@ def state_nbytes(tree: Any) -> int:
 _HLO_DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16,
+    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e8m0fnu": 1,
 }  # fmt: skip
 _HLO_ALL_REDUCE = re.compile(r"=\s*(\(.*?\)|\S+)\s+all-reduce(?:-start)?\(")
-_HLO_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_HLO_SHAPE = re.compile(r"\b([a-z][a-z\d]*)\[([\d,]*)\]")
 # Replica groups of one device each, listed ({{0}}, {{0},{1}}) or as an
 # iota ([4,1]<=[4]): such an all-reduce moves no byte between devices.
 _HLO_SINGLE_DEVICE_GROUPS = re.compile(
@@ -150,7 +151,8 @@ def _shapes_nbytes(shapes: list[tuple[str, str]], where: str) -> int:
     for dtype, dims in shapes:
         if dtype not in _HLO_DTYPE_BYTES:
             raise ValueError(
-                f"all_reduce_nbytes: unknown HLO element type {dtype!r} in {where!r}."
+                f"unknown HLO element type {dtype!r} in {where!r}: the byte "
+                f"counts know {sorted(_HLO_DTYPE_BYTES)}."
             )
         total += (
             int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))

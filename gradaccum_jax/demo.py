@@ -170,7 +170,7 @@ def train(
         per_call,
         devices,
         jax.block_until_ready(params),
-        gradaccum_jax.state_nbytes(opt_state),
+        gradaccum_jax.measure.state_nbytes(opt_state),
         time.perf_counter() - start,
     )
 

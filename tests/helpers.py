@@ -5,16 +5,25 @@ spelling of ``chex.variants(with_jit=True, without_jit=True)``): Python-side
 branching and trace-time checks behave differently in the two.
 ``train_step_temp_bytes`` reads a donated train step's compiled temporaries;
 ``entry_arrays`` lists the arrays a compiled step makes on every call.
+``public_names`` lists the package's public names, its submodules' too.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 import pytest
+
+import gradaccum_jax
+from gradaccum_jax.measure import collectives
+
+# The public submodules: their names are public below the package's.
+PUBLIC_SUBMODULES = ("measure",)
 
 
 def _eager(fn):
@@ -63,34 +72,32 @@ def entry_arrays(compiled, dtype: str) -> list[tuple[str, int]]:
     return found
 
 
-_HLO_MOVE = re.compile(
-    r"=\s*(\([^()]*\)|\S+)\s+(all-gather|all-to-all|collective-permute)(?:-start)?\("
-)
-
-
 def moved_arrays(compiled) -> list[tuple[str, str, str]]:
     """(collective, element type, place) of every all-gather, all-to-all
     and collective-permute in ``compiled``'s HLO: the collectives that move
     values between devices without summing them. ``place`` is as in
-    `gradaccum_jax.all_reduces`: ``"entry"`` (every call), ``"while-body"``
-    (inside a loop, e.g. a window's emission) or ``"other"``."""
-    text = compiled.as_text()
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
-    found, computation, is_entry = [], None, False
-    for line in text.splitlines():
-        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s", line)
-        if header and not line.startswith(" "):
-            computation, is_entry = header.group(2), bool(header.group(1))
-            continue
-        match = _HLO_MOVE.search(line)
-        if match:
-            place = (
-                "entry"
-                if is_entry
-                else "while-body"
-                if computation in bodies
-                else "other"
-            )
-            for dtype in re.findall(r"(\w+)\[[\d,]*\]", match.group(1)):
-                found.append((match.group(2), dtype, place))
-    return found
+    `gradaccum_jax.measure.collectives`: ``"entry"`` (every call),
+    ``"loop"`` (e.g. a window's emission) or ``"branch"``."""
+    moves = ("all-gather", "all-to-all", "collective-permute")
+    return [
+        (c.kind, shape.split("[", 1)[0], c.place)
+        for c in collectives(compiled)
+        if c.kind in moves
+        for shape in c.shapes
+    ]
+
+
+def public_names() -> list[str]:
+    """Every public name, qualified below the package: ``MultiSteps``,
+    ``measure.collectives``: the top level's ``__all__`` and each public
+    submodule's."""
+    names = list(gradaccum_jax.__all__)
+    for submodule in PUBLIC_SUBMODULES:
+        module = getattr(gradaccum_jax, submodule)
+        names += [f"{submodule}.{name}" for name in module.__all__]
+    return names
+
+
+def public_object(qualified_name: str) -> Any:
+    """The object a name of `public_names` stands for."""
+    return functools.reduce(getattr, qualified_name.split("."), gradaccum_jax)

@@ -54,9 +54,6 @@ INPUTS = {("ternary_quantize", "x"), ("ternary_quantize", "key")}
 # Public callables that are not constructors (their arguments are inputs).
 NOT_CONSTRUCTORS = {
     "global_norm",
-    "state_nbytes",
-    "all_reduce_nbytes",
-    "all_reduces",
     "ternary_dequantize",
     "stack_workers",
     "anchor_params",

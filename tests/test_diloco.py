@@ -335,7 +335,7 @@ def test_sync_is_one_all_reduce_in_the_loop_and_nothing_else_runs_every_step(lay
         _grads(workers, 1),
         layout,
     )
-    reductions = ga.all_reduces(compiled)
+    reductions = ga.measure.all_reduces(compiled)
     assert [r for r in reductions if r.place == "entry"] == []
     # A device's block of the params in float32 (half of them with the
     # tensor-parallel or FSDP split over an inner axis of 2), and one
@@ -352,7 +352,7 @@ def test_pmap_sync_all_reduce_is_in_the_loop():
     state = jax.pmap(opt.init)(params)
     step = jax.pmap(lambda p, s, g: opt.update(g, s, p), axis_name="data")
     compiled = step.lower(params, state, _grads(N, 1)[0]).compile()
-    reductions = ga.all_reduces(compiled)
+    reductions = ga.measure.all_reduces(compiled)
     assert [r for r in reductions if r.place == "entry"] == []
     big = _param_sized(reductions)
     assert len(big) == 1 and big[0].place == "while-body"
@@ -398,9 +398,9 @@ def test_ternary_outer_reduction_moves_a_seventh_of_the_bytes():
     _, _, compiled = run_stacked(
         ga.diloco(optax.sgd(0.1), 2, axis_name="data"), params, _big_grads(1)
     )
-    plain = ga.all_reduces(compiled)
+    plain = ga.measure.all_reduces(compiled)
     _, _, compiled = run_stacked(_ternary_diloco(), params, _big_grads(1))
-    ternary = ga.all_reduces(compiled)
+    ternary = ga.measure.all_reduces(compiled)
     for reductions in (plain, ternary):
         assert all(r.place == "while-body" for r in reductions), reductions
     plain_bytes = sum(r.nbytes for r in plain)
@@ -552,8 +552,8 @@ def test_ternary_outer_reduction_on_a_2d_mesh_keeps_the_codes_split(
     # Each device sends the words of its half of w and v: half the words
     # of replicated params (10 codes a word with 4 workers, each block
     # padded to whole words), plus the scales and the exact leaves.
-    codes_bytes = [r.nbytes for r in ga.all_reduces(compiled)]
-    replicated_bytes = [r.nbytes for r in ga.all_reduces(replicated)]
+    codes_bytes = [r.nbytes for r in ga.measure.all_reduces(compiled)]
+    replicated_bytes = [r.nbytes for r in ga.measure.all_reduces(replicated)]
     assert max(replicated_bytes) == _word_bytes(64 * 32) + _word_bytes(32 * 32)
     assert max(codes_bytes) == _word_bytes(64 * 32 // 2) + _word_bytes(32 * 32 // 2)
     assert 0.5 <= sum(codes_bytes) / sum(replicated_bytes) <= 0.52
@@ -591,7 +591,7 @@ def test_each_fragment_sync_moves_its_share_of_the_params(fragments):
     grads = [{k: np.ones((N, *p.shape), np.float32) for k, p in params.items()}]
     opt = ga.diloco(optax.sgd(0.1), 4, axis_name="data", fragments=fragments)
     _, state, compiled = run_stacked(opt, params, grads)
-    big = [r for r in ga.all_reduces(compiled) if r.nbytes > 64]
+    big = [r for r in ga.measure.all_reduces(compiled) if r.nbytes > 64]
     assert [r.place for r in big] == ["while-body"] * fragments
     for reduction in big:
         share = f32_bytes // fragments
@@ -921,7 +921,7 @@ def test_worker_value_and_grad_is_each_workers_own_gradient(layout):
         fn = jax.jit(ga.worker_value_and_grad(loss_fn, "data"))
         loss, grads = fn(stacked, *batch)
         compiled = fn.lower(stacked, *batch).compile()
-    assert ga.all_reduces(compiled) == []
+    assert ga.measure.all_reduces(compiled) == []
     assert loss.shape == (N,) and grads["w"].shape == (N, 4, 3)
     for d in range(N):
         own = {**params, "w": params["w"] + d}

@@ -20,7 +20,7 @@ from jax.sharding import AxisType, reshard
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from gradaccum_jax._measure import all_reduces
+from gradaccum_jax.measure import all_reduces
 from helpers import _eager, entry_arrays
 
 N_DEVICES = 8
@@ -901,7 +901,7 @@ def test_per_device_ternary_state_is_int8_codes_stacked_per_device(any_mesh):
     assert not has_examples.all()
     np.testing.assert_array_equal(keys[:, 1], has_examples)
     # 1 byte per compressed parameter per device, plain arrays: fetchable.
-    codes_bytes = ga.state_nbytes(window.code_sums) - 4 * 4 * N_DEVICES
+    codes_bytes = ga.measure.state_nbytes(window.code_sums) - 4 * 4 * N_DEVICES
     assert codes_bytes == (16 * 32 + 32 * 4) * N_DEVICES
     jax.device_get(state.acc_grads)
 
@@ -1055,7 +1055,7 @@ def test_all_reduces_leaves_out_groups_of_one_device():
         compiled = jax.jit(grad_fn).lower(params, batch).compile()
     assert "all-reduce(" in compiled.as_text()
     assert all_reduces(compiled) == []
-    assert ga.all_reduce_nbytes(compiled) == 0
+    assert ga.measure.all_reduce_nbytes(compiled) == 0
 
 
 def _mean_loss_of_batch(params, batch):

@@ -23,8 +23,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import microbatched_value_and_grad
-from gradaccum_jax._measure import all_reduce_nbytes
 from gradaccum_jax._tree import reduce_unreduced
+from gradaccum_jax.measure import all_reduce_nbytes
 
 BATCH, IN_DIM, OUT_DIM, NUM_MICROBATCHES = 32, 8, 4, 2
 

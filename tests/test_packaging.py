@@ -37,6 +37,11 @@ PROBE = """
 import importlib.metadata, json, sys
 import gradaccum_jax
 missing = [name for name in gradaccum_jax.__all__ if not hasattr(gradaccum_jax, name)]
+missing += [
+    f"measure.{name}"
+    for name in gradaccum_jax.measure.__all__
+    if not hasattr(gradaccum_jax.measure, name)
+]
 from gradaccum_jax import *
 print(json.dumps({
     "file": gradaccum_jax.__file__,

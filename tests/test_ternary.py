@@ -184,7 +184,7 @@ def test_error_feedback_bookkeeping(compile_fn, stochastic):
 def test_unclipped_terngrad_keeps_no_residual():
     state = ga.ternarize(0, clip_sigma=None).init(PARAMS)
     assert jax.tree.leaves(state.residual) == []
-    assert ga.state_nbytes(state) == 8  # the key
+    assert ga.measure.state_nbytes(state) == 8  # the key
 
 
 def test_ternarize_is_reproducible_from_the_seed_and_splits_its_key():
@@ -295,8 +295,8 @@ def test_wire_bytes_from_compiled_hlo(weighted):
     compiled = _compiled_average(weighted)
     grads = _random_like(PARAMS, 0, (NUM_DEVICES,))
     float_psum = jax.pmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")
-    float_bytes = ga.all_reduce_nbytes(float_psum.lower(grads).compile())
-    ternary_bytes = ga.all_reduce_nbytes(compiled)
+    float_bytes = ga.measure.all_reduce_nbytes(float_psum.lower(grads).compile())
+    ternary_bytes = ga.measure.all_reduce_nbytes(compiled)
     assert float_bytes == 4 * 4810
     # u32[592] + u32[92] codes, 7 base-17 digits per word: 4096 codes as
     # 256 rows of 16 (padded to 259 = 7 planes of 37 rows), 640 as 640 rows
@@ -388,7 +388,9 @@ def test_accumulator_memory_and_dtypes():
     assert (
         acc.code_sums["w"].dtype == jnp.int8 and acc.code_sums["c"].dtype == jnp.float32
     )
-    ratio = ga.state_nbytes(acc) / ga.state_nbytes(float_state.acc_grads)
+    ratio = ga.measure.state_nbytes(acc) / ga.measure.state_nbytes(
+        float_state.acc_grads
+    )
     assert ratio <= 0.3
     np.testing.assert_allclose(ratio, (65792 + 12 + 8 + 8) / (4 * 65795), rtol=1e-12)
     wide = ga.ternary_accumulate(optax.sgd(0.1), 200).init(params).acc_grads
@@ -584,7 +586,7 @@ def test_state_nbytes_counts_real_arrays():
         "masked": optax.MaskedNode(),
         "count": 3,
     }
-    assert ga.state_nbytes(tree) == 30 + 4 + 32 + 8
+    assert ga.measure.state_nbytes(tree) == 30 + 4 + 32 + 8
 
 
 def test_quantizing_integers_is_a_value_error():
@@ -726,7 +728,7 @@ def test_a_leaf_without_residual_still_has_its_shape_checked(build):
     compressed."""
     transform = build()
     state = transform.init({"w": jnp.zeros((16, 32)), "b": jnp.zeros((4,))})
-    assert ga.state_nbytes(state) == 8  # the key only
+    assert ga.measure.state_nbytes(state) == 8  # the key only
     with pytest.raises(
         ValueError,
         match=r"updates leaf \['w'\] has shape \(32, 16\), but the "

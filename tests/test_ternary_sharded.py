@@ -298,8 +298,10 @@ def test_ternary_window_reduction_of_tensor_parallel_terms_keeps_their_split():
     assert loop == []
     # Codes: 10 per uint32 word with 4 devices, each device's half of u
     # (1024 codes) and of v (512), instead of the whole leaves.
-    words = sorted(r.nbytes for r in ga.all_reduces(compiled))
-    replicated_words = sorted(r.nbytes for r in ga.all_reduces(replicated_compiled))
+    words = sorted(r.nbytes for r in ga.measure.all_reduces(compiled))
+    replicated_words = sorted(
+        r.nbytes for r in ga.measure.all_reduces(replicated_compiled)
+    )
     assert -(-512 // 10) * 4 + -(-256 // 10) * 4 in words
     assert -(-1024 // 10) * 4 + -(-512 // 10) * 4 in replicated_words
     # With the scales, the exact bias and the window weight: 460 bytes a

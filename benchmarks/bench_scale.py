@@ -1,0 +1,593 @@
+"""Memory and collectives at scale: every training path, compiled, not run.
+
+Each configuration is compiled for a mesh of emulated CPU devices (64, or
+256 for the 70B-class one) from abstract arrays (``jax.ShapeDtypeStruct``
+with a ``NamedSharding``): nothing is allocated, nothing runs. The train
+step is jitted with params and state donated, on Explicit mesh axes.
+
+Configurations:
+
+* ``reference``: the reference configuration of the scale work: 24 scanned
+  residual MLP blocks ``h = h + relu(h @ w1) @ w2``, ``w1`` (24, 2048, 8192)
+  sharded ``P(None, None, "model")``, ``w2`` (24, 8192, 2048) sharded
+  ``P(None, "model", None)`` (0.81B float32 params), the row-parallel
+  product with ``out_sharding`` over ``data``; a micro-batch of 32 rows of
+  2048 sharded over ``data``; loss ``mean(h ** 2)``; ``data`` 8 x ``model``
+  8.
+* ``lm-1b/...``: a decoder-only transformer of about 1B float32 params
+  (attention and MLP, scanned layers, bfloat16 compute), on ``data`` x
+  ``model`` (8 x 8, tensor parallel), ``data`` x ``fsdp`` (8 x 8, params
+  sharded over ``fsdp`` and gathered per layer) and ``dcn`` x ``data`` x
+  ``model`` (2 x 4 x 8; DiLoCo's workers are the ``dcn`` slices).
+* ``lm-70b``: the same transformer at 80 layers, d_model 8192 (about 65B
+  params) on 256 devices, ``data`` 16 x ``model`` 16 (``--skip-70b``
+  leaves it out).
+
+Paths, adam inside, k = 8 micro-batches per update (a DiLoCo cycle of 8
+steps): ``optax.MultiSteps`` + ``jax.grad``; ``optax.microbatching`` (k
+micro-batches in one step, then adam); ``ga.MultiSteps`` + ``jax.grad``;
+the documented once-per-window path (``local_value_and_grad`` +
+``MultiSteps(unreduced_axes=)``); the same window fed by ``jax.grad`` of
+params resharded to ``P(*spec, reduced={"data"})`` (JAX's own types give
+gradients unreduced over ``data``); ``microbatched_value_and_grad(
+data_axis=)`` (k micro-batches in one step); the ternary window
+(``window_reduction=ternary_window_reduction``); ``diloco`` with float32 and
+ternary outer gradients, 1 and 4 fragments, on stacked workers (over
+``dcn`` where the mesh has it, else ``data``).
+
+Reported per device, from the compiled program: argument, output and
+temporary bytes (``memory_analysis()``); every collective
+(`gradaccum_jax.measure.collectives`) per micro-step and per window, with
+its result bytes on one device, each counted as often as it runs: a
+collective inside a loop of known trip count (a scan over layers or over
+micro-batches) that many times, one inside a loop of runtime trip count
+(the emission of a window, a DiLoCo sync) once per window; and the compile
+time. A path that does not compile today is reported with its error class.
+
+Output: a printed table, ``benchmarks/plots/scale.json`` and
+``benchmarks/plots/scale.png``.
+
+Run: ``python benchmarks/bench_scale.py [--skip-70b] [--only NAME ...]
+[--paths PATH ...]``: 200 s (2.1 minutes of CPU time) on 2 CPU cores
+shared with other jobs, up to 5.5 minutes under heavier load; the 65B
+configuration's 11 compiles are about a fifth of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import _plots
+
+import _headline
+
+HERE = Path(__file__).resolve().parent
+K = 8  # micro-batches per update; steps per DiLoCo cycle
+PATHS = (
+    "optax.MultiSteps + jax.grad",
+    "optax.microbatching",
+    "ga.MultiSteps + jax.grad",
+    "once per window (local_value_and_grad)",
+    "once per window (jax.grad of reduced params)",
+    "microbatched_value_and_grad(data_axis=)",
+    "ternary window",
+    "diloco float32, F=1",
+    "diloco float32, F=4",
+    "diloco ternary, F=1",
+    "diloco ternary, F=4",
+)
+# (name, devices, mesh shape, mesh axes)
+CONFIGS = (
+    ("reference", 64, (8, 8), ("data", "model")),
+    ("lm-1b/data x model", 64, (8, 8), ("data", "model")),
+    ("lm-1b/data x fsdp", 64, (8, 8), ("data", "fsdp")),
+    ("lm-1b/dcn x data x model", 64, (2, 4, 8), ("dcn", "data", "model")),
+    ("lm-70b", 256, (16, 16), ("data", "model")),
+)
+GIB = 2**30
+MIB = 2**20
+
+
+# --- the models (imported in the worker, after XLA_FLAGS is set) ----------
+
+
+def _models():
+    """The model builders; jax is imported here, in the worker process."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from jax.sharding import reshard
+
+    def rows_of(x):
+        """``x``'s layout of rows, its other dimensions whole: a spec that
+        names only the axes ``x``'s type names (inside a path's shard_map,
+        `data` is manual and named by none)."""
+        return P(jax.typeof(x).sharding.spec[0], *([None] * (x.ndim - 1)))
+
+    def reference():
+        layers, width, hidden, rows = 24, 2048, 8192, 32
+        params = {
+            "w1": ((layers, width, hidden), P(None, None, "model")),
+            "w2": ((layers, hidden, width), P(None, "model", None)),
+        }
+        batch = (((rows, width), jnp.float32, P("data", None)),)
+
+        def loss(params, x):
+            def block(h, weights):
+                w1, w2 = weights
+                hidden_act = jax.nn.relu(h @ w1)
+                # Row-parallel: the product over the `model` shards sums
+                # across them; its result is laid out as `h` (over `data`,
+                # or per device where a path maps `data` by hand).
+                return h + jnp.matmul(hidden_act, w2, out_sharding=rows_of(h)), None
+
+            h, _ = jax.lax.scan(block, x, (params["w1"], params["w2"]))
+            return jnp.mean(h**2)
+
+        return params, batch, loss
+
+    def transformer(
+        layers, width, heads, hidden, vocab, rows, seq, tp, fsdp, rows_over
+    ):
+        """A pre-norm decoder: tensor parallel over ``tp``, FSDP over ``fsdp``."""
+        bf16 = jnp.bfloat16
+        params = {
+            "embed": ((vocab, width), P(fsdp, tp)),
+            "unembed": ((width, vocab), P(fsdp, tp)),
+            "final_norm": ((width,), P()),
+            "layers": {
+                "norm1": ((layers, width), P()),
+                "norm2": ((layers, width), P()),
+                "wq": ((layers, width, width), P(None, fsdp, tp)),
+                "wk": ((layers, width, width), P(None, fsdp, tp)),
+                "wv": ((layers, width, width), P(None, fsdp, tp)),
+                "wo": ((layers, width, width), P(None, tp, fsdp)),
+                "w1": ((layers, width, hidden), P(None, fsdp, tp)),
+                "w2": ((layers, hidden, width), P(None, tp, fsdp)),
+            },
+        }
+        batch = (((rows, seq), jnp.int32, P(rows_over, None)),)
+
+        def use(w, spec):
+            # FSDP: a layer's weights are gathered over `fsdp` where used.
+            if fsdp is not None:
+                w = reshard(w, spec)
+            return w.astype(bf16)
+
+        def norm(x, scale):
+            x32 = x.astype(jnp.float32)
+            x32 = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6)
+            return (x32 * (1 + scale)).astype(bf16)
+
+        def attention(x, w):
+            b, s, _ = x.shape
+            split = P(rows_of(x)[0], None, tp, None)
+
+            def heads_of(proj):
+                y = x @ use(proj, P(None, tp))
+                return jnp.reshape(y, (b, s, heads, width // heads), out_sharding=split)
+
+            q, k, v = heads_of(w["wq"]), heads_of(w["wk"]), heads_of(w["wv"])
+            logits = jnp.einsum("bshd,bthd->bhst", q, k) / jnp.sqrt(width / heads)
+            causal = jnp.tril(jnp.ones((s, s), bool))
+            logits = jnp.where(causal, logits.astype(jnp.float32), -1e9)
+            probs = jax.nn.softmax(logits, axis=-1).astype(bf16)
+            out = jnp.einsum("bhst,bthd->bshd", probs, v)
+            out = jnp.reshape(out, (b, s, width), out_sharding=P(split[0], None, tp))
+            return jnp.matmul(out, use(w["wo"], P(tp, None)), out_sharding=rows_of(x))
+
+        def mlp(x, w):
+            h = jax.nn.gelu(x @ use(w["w1"], P(None, tp)))
+            return jnp.matmul(h, use(w["w2"], P(tp, None)), out_sharding=rows_of(x))
+
+        def loss(params, tokens):
+            embed = use(params["embed"], P(None, tp))
+            rows = rows_of(tokens)[0]
+            x = embed.at[tokens].get(out_sharding=P(rows, None, tp))
+            x = reshard(x, P(rows, None, None))
+
+            def block(x, w):
+                x = x + attention(norm(x, w["norm1"]), w)
+                return x + mlp(norm(x, w["norm2"]), w), None
+
+            x, _ = jax.lax.scan(block, x, params["layers"])
+            logits = norm(x, params["final_norm"]) @ use(params["unembed"], P(None, tp))
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            targets = jnp.roll(tokens, -1, axis=1)
+            # A one-hot product, not a gather: the vocabulary is sharded.
+            hits = targets[..., None] == jnp.arange(logp.shape[-1])
+            return -jnp.sum(jnp.where(hits, logp, 0.0)) / targets.size
+
+        return params, batch, loss
+
+    def lm(name):
+        if name == "lm-1b/data x model":
+            return transformer(
+                18, 2048, 16, 8192, 32000, 64, 512, "model", None, "data"
+            )
+        if name == "lm-1b/data x fsdp":
+            return transformer(
+                18, 2048, 16, 8192, 32000, 64, 512, None, "fsdp", ("data", "fsdp")
+            )
+        if name == "lm-1b/dcn x data x model":
+            return transformer(
+                18, 2048, 16, 8192, 32000, 64, 512, "model", None, ("dcn", "data")
+            )
+        if name == "lm-70b":
+            return transformer(
+                80, 8192, 64, 32768, 32000, 32, 1024, "model", None, "data"
+            )
+        raise ValueError(f"unknown configuration {name!r}")
+
+    return {"reference": reference, "lm": lm}
+
+
+# --- the paths -------------------------------------------------------------
+
+
+def _build_path(path, loss, data_axis, workers_axis):
+    """(transformation, step, kind, stacked): kind "micro" (a call is one
+    micro-step) or "window" (a call is a whole window of K micro-batches);
+    stacked when params and state are DiLoCo's stacked workers."""
+    import jax
+    import optax
+
+    import gradaccum_jax as ga
+
+    adam = optax.adam(1e-3)
+
+    def accumulating(tx, grad_fn):
+        def step(params, state, *batch):
+            grads = grad_fn(params, *batch)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        return tx, step
+
+    if path == "optax.MultiSteps + jax.grad":
+        return (
+            *accumulating(optax.MultiSteps(adam, K), jax.grad(loss)),
+            "micro",
+            False,
+        )
+    if path == "ga.MultiSteps + jax.grad":
+        return (*accumulating(ga.MultiSteps(adam, K), jax.grad(loss)), "micro", False)
+    if path in ("once per window (local_value_and_grad)", "ternary window"):
+        reduction = ga.ternary_window_reduction(0) if path == "ternary window" else None
+        tx = ga.MultiSteps(
+            adam, K, unreduced_axes=data_axis, window_reduction=reduction
+        )
+        grad_fn = ga.local_value_and_grad(loss, data_axis)
+        return (*accumulating(tx, lambda *a: grad_fn(*a)[1]), "micro", False)
+    if path == "once per window (jax.grad of reduced params)":
+        # JAX's own types: params marked `reduced` over the data axis give
+        # gradients `unreduced` over it (and laid out as the params).
+        from jax.sharding import PartitionSpec as P
+        from jax.sharding import reshard
+
+        def reduced(leaf):
+            spec = jax.typeof(leaf).sharding.spec
+            return reshard(leaf, P(*spec, reduced={data_axis}))
+
+        def grad_fn(params, *batch):
+            return jax.grad(loss)(jax.tree.map(reduced, params), *batch)
+
+        tx = ga.MultiSteps(adam, K, unreduced_axes=data_axis)
+        return (*accumulating(tx, grad_fn), "micro", False)
+    if path == "optax.microbatching":
+
+        def step(params, state, *batch):
+            grads = optax.microbatching.microbatch(
+                jax.grad(loss),
+                argnums=tuple(range(1, 1 + len(batch))),
+                microbatch_size=batch[0].shape[0] // K,
+                accumulator=optax.microbatching.AccumulationType.MEAN,
+            )(params, *batch)
+            updates, state = adam.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        return adam, step, "window", False
+    if path == "microbatched_value_and_grad(data_axis=)":
+        grad_fn = ga.microbatched_value_and_grad(loss, K, data_axis=data_axis)
+        return (*accumulating(adam, lambda *a: grad_fn(*a)[1]), "window", False)
+    if path.startswith("diloco"):
+        ternary = "ternary" in path
+        reduction = (
+            ga.ternary_average_across_devices(workers_axis, 0) if ternary else None
+        )
+        tx = ga.diloco(
+            adam,
+            K,
+            axis_name=workers_axis,
+            outer_reduction=reduction,
+            fragments=int(path.rsplit("F=", 1)[1]),
+        )
+        grad_fn = ga.worker_value_and_grad(loss, workers_axis)
+        return (*accumulating(tx, lambda *a: grad_fn(*a)[1]), "micro", True)
+    raise ValueError(f"unknown path {path!r}")
+
+
+# --- measuring one compiled step -------------------------------------------
+
+
+def _per_micro_and_window(found, kind):
+    """Collectives per micro-step and per window: counts by kind, bytes.
+
+    A call is a micro-step ("micro"): what has only loops of known trip
+    count runs on every call (that many times), what sits in a loop of
+    runtime trip count (the emission, a sync) once per window, K calls. A
+    call is a window ("window"): everything runs once per call, each
+    collective in the loop over the K micro-batches (the outermost loop of
+    K trips) once per micro-batch.
+    """
+    import numpy as np
+
+    def runs(trips):
+        return int(np.prod([t for t in trips if t is not None], dtype=np.int64))
+
+    micro, window = {}, {}
+    micro_bytes = window_bytes = 0
+    for c in found:
+        if kind == "micro":
+            every_call = c.place != "branch" and None not in c.trips
+            window_bytes += c.nbytes * runs(c.trips) * (K if every_call else 1)
+            if every_call:
+                micro[c.kind] = micro.get(c.kind, 0) + 1
+                micro_bytes += c.nbytes * runs(c.trips)
+            else:
+                window[c.kind] = window.get(c.kind, 0) + 1
+        else:
+            window_bytes += c.nbytes * runs(c.trips)
+            if c.trips and c.trips[0] == K:
+                micro[c.kind] = micro.get(c.kind, 0) + 1
+                micro_bytes += c.nbytes * runs(c.trips[1:])
+            else:
+                window[c.kind] = window.get(c.kind, 0) + 1
+    return micro, micro_bytes, window, window_bytes
+
+
+def _measure(config, path, mesh, spec):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gradaccum_jax.measure import collectives
+
+    params_spec, batch_spec, loss = spec
+    axes = mesh.axis_names
+    data_axis = "data"
+    workers_axis = "dcn" if "dcn" in axes else "data"
+    tx, step, kind, stacked = _build_path(path, loss, data_axis, workers_axis)
+    rows_factor = K if kind == "window" else 1
+
+    def abstract(shape, dtype, pspec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec))
+
+    def concrete(leaf):
+        pspec = getattr(getattr(leaf, "sharding", None), "spec", None) or P()
+        return abstract(leaf.shape, leaf.dtype, pspec)
+
+    def stack(leaf):
+        pspec = getattr(getattr(leaf, "sharding", None), "spec", None) or P()
+        n = dict(zip(axes, mesh.devices.shape, strict=True))[workers_axis]
+        return abstract((n, *leaf.shape), leaf.dtype, P(workers_axis, *pspec))
+
+    is_spec = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)  # noqa: E731
+    params = jax.tree.map(
+        lambda s: abstract(s[0], jnp.float32, s[1]), params_spec, is_leaf=is_spec
+    )
+    batch = [
+        abstract((shape[0] * rows_factor, *shape[1:]), dtype, pspec)
+        for shape, dtype, pspec in batch_spec
+    ]
+    with jax.set_mesh(mesh):
+        state = jax.tree.map(concrete, jax.eval_shape(tx.init, params))
+        if stacked:
+            params, state = jax.tree.map(stack, (params, state))
+        start = time.perf_counter()
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *batch)
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    found = collectives(compiled, mesh)
+    micro, micro_bytes, window, window_bytes = _per_micro_and_window(found, kind)
+    return {
+        "config": config,
+        "path": path,
+        "kind": kind,
+        "argument_bytes": memory.argument_size_in_bytes,
+        "output_bytes": memory.output_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+        "micro_step": micro,
+        "micro_step_bytes": micro_bytes,
+        "window_only": window,
+        "window_bytes": window_bytes,
+        "compile_s": seconds,
+        # Each collective but its device groups (their size and mesh axes
+        # stay): 256 devices' groups would make the file megabytes.
+        "collectives": [
+            {k: v for k, v in c._asdict().items() if k != "groups"} for c in found
+        ],
+    }
+
+
+def worker(configs, paths, out):
+    """Compiles every (configuration, path) for one device count."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    models = _models()
+    results = []
+    for name, _, shape, axes in configs:
+        mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Explicit,) * len(axes))
+        spec = models["reference"]() if name == "reference" else models["lm"](name)
+        params = sum(
+            int(np.prod(shape))
+            for shape, _ in jax.tree.leaves(
+                spec[0], is_leaf=lambda x: isinstance(x, tuple)
+            )
+        )
+        for path in paths:
+            start = time.perf_counter()
+            try:
+                result = _measure(name, path, mesh, spec)
+            except Exception as error:  # noqa: BLE001 - reported, not hidden
+                result = {
+                    "config": name,
+                    "path": path,
+                    "error": type(error).__name__,
+                    "message": str(error).strip().splitlines()[0][:300]
+                    if str(error).strip()
+                    else traceback.format_exc(limit=1)[-300:],
+                    "compile_s": time.perf_counter() - start,
+                }
+            result["params"] = params
+            result["mesh"] = dict(zip(axes, shape, strict=True))
+            results.append(result)
+            print(_row(result), flush=True)
+            jax.clear_caches()
+    Path(out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+# --- the table, the plot ---------------------------------------------------
+
+
+def _counts(counts):
+    short = {
+        "all-reduce": "AR",
+        "all-gather": "AG",
+        "reduce-scatter": "RS",
+        "all-to-all": "A2A",
+        "collective-permute": "CP",
+    }
+    return " ".join(f"{short[k]}{n}" for k, n in sorted(counts.items())) or "0"
+
+
+def _row(r):
+    if "error" in r:
+        return (
+            f"| {r['config']} | {r['path']} | {r['error']} | | | | | "
+            f"| {r['compile_s']:.1f} |"
+        )
+    return (
+        f"| {r['config']} | {r['path']} | {r['argument_bytes'] / GIB:.3f} "
+        f"| {r['output_bytes'] / GIB:.3f} | {r['temp_bytes'] / GIB:.3f} "
+        f"| {_counts(r['micro_step'])}, {r['micro_step_bytes'] / MIB:.1f} "
+        f"| {_counts(r['window_only'])} | {r['window_bytes'] / MIB:.1f} "
+        f"| {r['compile_s']:.1f} |"
+    )
+
+
+HEADER = (
+    "| configuration | path | arguments GiB | outputs GiB | temporaries GiB "
+    "| per micro-step: collectives, MiB | once per window | MiB per window "
+    "| compile s |\n|---|---|---:|---:|---:|---|---|---:|---:|"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--skip-70b", dest="skip_big", action="store_true", help="leave out lm-70b"
+    )
+    parser.add_argument("--only", nargs="*", help="configuration names to run")
+    parser.add_argument("--paths", nargs="*", default=list(PATHS))
+    parser.add_argument(
+        "--plots",
+        default=str(HERE / "plots"),
+        help="where scale.json and scale.png go; '' for nowhere",
+    )
+    _headline.add_argument(parser)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    configs = [
+        c
+        for c in CONFIGS
+        if (args.only and c[0] in args.only)
+        or (not args.only and not (args.skip_big and c[0] == "lm-70b"))
+    ]
+    if args.worker:
+        worker([c for c in configs if c[1] == args.worker], args.paths, args.out)
+        return
+
+    start = time.monotonic()
+    results = []
+    print(HEADER, flush=True)
+    scratch = Path(tempfile.mkdtemp())
+    for devices in sorted({c[1] for c in configs}):
+        out = scratch / f"scale_{devices}.json"
+        env = dict(os.environ)
+        # XLA reads the flags once, when its CPU backend starts: one process
+        # per device count. LLVM at -O0 takes about a third less CPU time to
+        # compile; memory and collectives are decided before it, by XLA's
+        # HLO passes (buffer assignment, SPMD partitioning), and unchanged.
+        flags = (
+            f"--xla_force_host_platform_device_count={devices}",
+            "--xla_backend_optimization_level=0",
+        )
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(HERE.parent), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            str(devices),
+            "--out",
+            str(out),
+        ]
+        command += ["--paths", *args.paths]
+        if args.only:
+            command += ["--only", *args.only]
+        elif args.skip_big:
+            command += ["--skip-70b"]
+        subprocess.run(command, check=True, env=env)
+        results += json.loads(out.read_text())
+        out.unlink()
+    scratch.rmdir()
+    if args.plots:
+        plots = Path(args.plots)
+        plots.mkdir(parents=True, exist_ok=True)
+        (plots / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+        where = f"{os.cpu_count()} CPU cores, emulated devices"
+        print(f"\nplot: {_plots.scale(results, plots / 'scale.png', where)}")
+    print(f"total: {time.monotonic() - start:.0f} s")
+    _headline.write(args.json, "bench_scale", headline(results), {"results": results})
+
+
+def headline(results: list[dict]) -> dict[str, tuple[float, float]]:
+    """The reference configuration's figures the scale work is judged by."""
+    reference = {r["path"]: r for r in results if r["config"] == "reference"}
+    figures = {}
+    plain = reference.get("ga.MultiSteps + jax.grad", {})
+    optax_path = reference.get("optax.MultiSteps + jax.grad", {})
+    if "temp_bytes" in plain and "temp_bytes" in optax_path:
+        figures["reference: temporaries, ga.MultiSteps / optax's"] = (
+            plain["temp_bytes"] / optax_path["temp_bytes"],
+            1.0,
+        )
+    once = reference.get("once per window (local_value_and_grad)", {})
+    if "micro_step" in once:
+        # The window is reduced once: nothing else needs gathering.
+        figures["reference: all-gathers per micro-step, once-per-window path"] = (
+            once["micro_step"].get("all-gather", 0),
+            0,
+        )
+    return figures
+
+
+if __name__ == "__main__":
+    main()
