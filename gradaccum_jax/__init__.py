@@ -20,7 +20,8 @@ from gradaccum_jax._accumulation import (
 from gradaccum_jax._window import RunningMean, WindowAccumulator, float_accumulator
 
 # --- the engine's extension protocols (docs/architecture.md) ---
-from gradaccum_jax._partials import TermsLayout, WindowReduction
+from gradaccum_jax._partials import TermsLayout
+from gradaccum_jax._reduction import WindowReduction
 from gradaccum_jax._statistic import WindowPosition, WindowStatistic
 
 # --- gradient noise scale ---

@@ -158,7 +158,7 @@ def _per_device_terms(
             f"current mesh {mesh.axis_names}: call it under "
             "jax.set_mesh(mesh)."
         )
-    _partials.check_not_sharded_over(
+    _placement.check_not_sharded_over(
         params, frozenset({axis_name}), "local_value_and_grad: param"
     )
 

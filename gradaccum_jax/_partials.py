@@ -16,17 +16,16 @@ and the current mesh (``jax.set_mesh``):
 The three share one interface (`TermsLayout`), so the code that keeps a
 window never asks which one it holds. Either way a term crosses devices
 only when a window is reduced: by default in `TermsLayout.reduce` (one
-fused float all-reduce); a `WindowReduction` (e.g.
+fused float all-reduce); a `WindowReduction` (`_reduction`, e.g.
 `gradaccum_jax.ternary_window_reduction`) may send something smaller.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -489,90 +488,3 @@ def _device_micro_batch(fn, device_count):
         return fn(mean, device_weight, *rest)
 
     return local
-
-
-def check_not_sharded_over(params: Any, axes: frozenset[str], what: str) -> None:
-    """Raises if a param is sharded over an axis its gradient is a sum over.
-
-    With FSDP (``P("data", None)``) a device holds a slice of the param, but
-    its term of the gradient would be the whole gradient: per-device terms
-    cannot be kept sharded over the same axis. ``jax.grad`` there
-    reduce-scatters the gradient, which an accumulator sums as it is.
-    """
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        shared = sorted(axes & _tree.mesh_axes_of(leaf))
-        if shared:
-            raise ValueError(
-                f"{what} {jax.tree_util.keystr(path)} ({jax.typeof(leaf)}) is "
-                f"sharded over the mesh axis {shared[0]!r}, over which its "
-                "gradient would be kept as per-device terms: each device's "
-                "term would be the whole gradient. With FSDP params take the "
-                "gradients with jax.value_and_grad (reduce-scattered) and "
-                "accumulate them without `unreduced_axes`."
-            )
-
-
-def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
-    """The mesh of a concrete state leaf, set, when none is set already.
-
-    Lets host-side calls on a state of per-device terms (`stats`, a
-    checkpoint's `reduce_window`) run outside ``jax.set_mesh``: the
-    array's own sharding knows its mesh.
-    """
-    sharding = getattr(leaf, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if (
-        isinstance(leaf, jax.Array)
-        and not isinstance(leaf, jax.core.Tracer)
-        and isinstance(mesh, jax.sharding.Mesh)
-        and jax.sharding.get_abstract_mesh().empty
-    ):
-        return jax.set_mesh(mesh)
-    return contextlib.nullcontext()
-
-
-class WindowReduction(NamedTuple):
-    """How the engine sums a window of per-device terms at its emission.
-
-    Attributes:
-      init: ``init(params) -> state``, the reduction's own state (kept in
-        ``MultiStepsState.reduction_state``; arrays that are the same on
-        every device, so checkpointable).
-      reduce: ``reduce(terms, layout, state) -> (sums, state)``: ``terms`` is
-        a pytree of per-device terms in ``layout`` (a `TermsLayout`:
-        unreduced or stacked, see this module), ``sums`` the same tree summed
-        over the devices, identical on every device. Called once per window,
-        inside the emission loop; ``layout.reduce`` is the exact float sum,
-        ``layout.over_terms`` runs a function of each device's own term that
-        ends in collectives.
-      reports_sq_excess: whether ``reduce`` returns ``(sums, state,
-        sq_excess)``: a lossy reduction (random rounding, clipping) says by
-        how much it changes the sums' squared norm, ``sq_excess`` being
-        ``E|sums|^2 - |exact sums|^2`` over its random draws given the
-        terms (for unbiased rounding, the sums' variance summed over every
-        element), a float32 scalar, the same on every device. The window
-        statistics see it (`WindowPosition.sum_sq_excess`): the noise
-        scale subtracts it from the window's squared norm. False: the sums
-        are exact.
-    """
-
-    init: Callable[[Any], Any]
-    reduce: Callable[[Any, TermsLayout, Any], tuple[Any, ...]]
-    reports_sq_excess: bool = False
-
-    def reduce_window(
-        self, terms: Any, layout: TermsLayout, state: Any
-    ) -> tuple[Any, Any, jax.Array]:
-        """``(sums, state, sq_excess)``: `reduce`'s, ``sq_excess`` 0 if exact."""
-        if self.reports_sq_excess:
-            return self.reduce(terms, layout, state)
-        sums, state = self.reduce(terms, layout, state)
-        return sums, state, jnp.zeros([], jnp.float32)
-
-
-def float_window_reduction() -> WindowReduction:
-    """The default `WindowReduction`: one exact float all-reduce."""
-    return WindowReduction(
-        init=lambda params: (),
-        reduce=lambda terms, layout, state: (layout.reduce(terms), state),
-    )

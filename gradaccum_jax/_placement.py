@@ -9,10 +9,16 @@ themselves with the helpers here; each is a no-op for an input already
 placed (the compiled program of a placed input is unchanged), and moving a
 replicated input to a split one is a local slice, with no collective. On an
 Auto axis ``shard_map`` places its inputs itself.
+
+Two more questions about where arrays lie are answered here: whether a
+param is split over an axis its gradient must be summed over
+(`check_not_sharded_over`), and which mesh a concrete state lives on, for
+host-side calls made outside ``jax.set_mesh`` (`on_mesh_of`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -135,7 +141,47 @@ def _without(entry: Any, axis: str) -> Any:
 
 def _normalized(parts: tuple) -> tuple:
     """Spec entries without trailing Nones (``P('data')`` is ``P('data', None)``)."""
-    parts = list(parts)
-    while parts and parts[-1] is None:
-        parts.pop()
-    return tuple(parts)
+    kept = list(parts)
+    while kept and kept[-1] is None:
+        kept.pop()
+    return tuple(kept)
+
+
+def check_not_sharded_over(params: Any, axes: frozenset[str], what: str) -> None:
+    """Raises if a param is sharded over an axis its gradient is a sum over.
+
+    With FSDP (``P("data", None)``) a device holds a slice of the param, but
+    its term of the gradient would be the whole gradient: per-device terms
+    cannot be kept sharded over the same axis. ``jax.grad`` there
+    reduce-scatters the gradient, which an accumulator sums as it is.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shared = sorted(axes & _tree.mesh_axes_of(leaf))
+        if shared:
+            raise ValueError(
+                f"{what} {jax.tree_util.keystr(path)} ({jax.typeof(leaf)}) is "
+                f"sharded over the mesh axis {shared[0]!r}, over which its "
+                "gradient would be kept as per-device terms: each device's "
+                "term would be the whole gradient. With FSDP params take the "
+                "gradients with jax.value_and_grad (reduce-scattered) and "
+                "accumulate them without `unreduced_axes`."
+            )
+
+
+def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
+    """The mesh of a concrete state leaf, set, when none is set already.
+
+    Lets host-side calls on a state of per-device terms (`stats`, a
+    checkpoint's `reduce_window`) run outside ``jax.set_mesh``: the
+    array's own sharding knows its mesh.
+    """
+    sharding = getattr(leaf, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)
+        and isinstance(mesh, jax.sharding.Mesh)
+        and jax.sharding.get_abstract_mesh().empty
+    ):
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()

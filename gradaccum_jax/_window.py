@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
-from gradaccum_jax import _checks, _partials, _tree, _weights
+from gradaccum_jax import _checks, _partials, _placement, _tree, _weights
 
 
 class WindowAccumulator(NamedTuple):
@@ -89,7 +89,7 @@ def per_device_accumulator(
     """
 
     def init(params):
-        _partials.check_not_sharded_over(params, axes, "Param")
+        _placement.check_not_sharded_over(params, axes, "Param")
         _check_whole_per_device(params)
         layout = _partials.device_terms_layout(axes)
         local = accumulator.init(params)
@@ -232,7 +232,7 @@ def float_accumulator(
     def init(params):
         zeros = _zeros_in(params, dtype)
         if axes:
-            _partials.check_not_sharded_over(params, axes, "Param")
+            _placement.check_not_sharded_over(params, axes, "Param")
         return jax.tree.map(_partials.terms_layout(axes).zeros, zeros)
 
     def add(acc, grads, weight):

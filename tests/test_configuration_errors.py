@@ -317,7 +317,7 @@ def test_valid_arguments_construct():
         elif name == "float_accumulator":
             assert isinstance(built, ga.WindowAccumulator)
         elif name == "ternary_window_reduction":
-            assert isinstance(built, ga._partials.WindowReduction)
+            assert isinstance(built, ga._reduction.WindowReduction)
         elif name == "adaptive_every_k":
             assert isinstance(built, ga.AdaptiveWindow)
         elif name in (

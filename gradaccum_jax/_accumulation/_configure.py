@@ -6,7 +6,7 @@ from typing import Any
 
 import optax
 
-from gradaccum_jax import _checks, _noise_scale, _partials
+from gradaccum_jax import _checks, _noise_scale, _reduction
 from gradaccum_jax._accumulation import _skip
 from gradaccum_jax._accumulation._parts import Parts
 from gradaccum_jax._accumulation._size_policy import window_size_policy
@@ -125,12 +125,12 @@ def _statistics(statistics: Any) -> tuple[WindowStatistic, ...]:
 
 
 def _window_reduction(
-    reduction: _partials.WindowReduction | None, unreduced_axes: frozenset[str]
-) -> _partials.WindowReduction:
+    reduction: _reduction.WindowReduction | None, unreduced_axes: frozenset[str]
+) -> _reduction.WindowReduction:
     """The validated ``window_reduction``; the float all-reduce for None."""
     if reduction is None:
-        return _partials.float_window_reduction()
-    if not isinstance(reduction, _partials.WindowReduction):
+        return _reduction.float_window_reduction()
+    if not isinstance(reduction, _reduction.WindowReduction):
         raise ValueError(
             "`window_reduction` must be None or a WindowReduction (e.g. "
             f"ternary_window_reduction(seed=0)), got {reduction!r}."

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _checks, _noise_scale, _partials
+from gradaccum_jax import _checks, _noise_scale, _placement, _reduction
 from gradaccum_jax._accumulation import _engine, _skip, _window_ops
 from gradaccum_jax._accumulation._configure import check_state, engine_parts
 from gradaccum_jax._accumulation._size_policy import Schedule
@@ -90,7 +90,7 @@ class MultiSteps:
         count_skipped: bool = False,
         window_accumulator: WindowAccumulator | None = None,
         unreduced_axes: str | Sequence[str] = (),
-        window_reduction: _partials.WindowReduction | None = None,
+        window_reduction: _reduction.WindowReduction | None = None,
         track_noise_scale: bool = False,
         noise_scale_decay: float = 0.95,
         noise_scale_estimator: str = "sampled",
@@ -280,7 +280,7 @@ class MultiSteps:
         """
         check_state(state, "stats")
         noise = _noise_scale.estimate(getattr(state, "noise", ()))
-        with _partials.on_mesh_of(state.acc_weight):
+        with _placement.on_mesh_of(state.acc_weight):
             window_weight = self._parts.layout().total(state.acc_weight, jnp.zeros([]))
         window_size = self._parts.window_size.current(
             state.window_size, state.gradient_step
@@ -321,5 +321,5 @@ class MultiSteps:
         without moving data, and the window goes on exactly. Without
         ``unreduced_axes``: ``state`` as is.
         """
-        with _partials.on_mesh_of(state.acc_weight):
+        with _placement.on_mesh_of(state.acc_weight):
             return _window_ops.reduce(self._parts, state, self._parts.layout())

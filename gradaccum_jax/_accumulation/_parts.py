@@ -9,7 +9,8 @@ import optax
 from gradaccum_jax._accumulation import _skip
 from gradaccum_jax._accumulation._size_policy import AdaptiveSize, ScheduledSize
 from gradaccum_jax._accumulation._store import DecodedWindow, SharedWindow
-from gradaccum_jax._partials import TermsLayout, WindowReduction, terms_layout
+from gradaccum_jax._partials import TermsLayout, terms_layout
+from gradaccum_jax._reduction import WindowReduction
 from gradaccum_jax._statistic import WindowStatistic
 
 

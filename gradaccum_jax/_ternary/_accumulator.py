@@ -296,11 +296,10 @@ def ternary_accumulate(
       should_skip_update_fn: as in `MultiSteps`.
       skip_nonfinite: as in `MultiSteps`.
       count_skipped: as in `MultiSteps`.
-      track_noise_scale: must be False: the noise scale needs the squared
-        norm of the window's exact sum, which a ternary window never holds
-        (the codes' rounding variance would add to it, `_no_noise_scale`).
-        Track it with a float window (`MultiSteps`, or
-        `ternary_window_reduction` for ternary codes on the wire).
+      track_noise_scale: must be False: a ternary window never holds the
+        exact sum whose squared norm the noise scale needs. Track it with a
+        float window (`MultiSteps`, or `ternary_window_reduction` for
+        ternary codes on the wire).
       noise_scale_decay: as in `MultiSteps`.
       noise_scale_estimator: as in `MultiSteps`: ``"sampled"`` or ``"all"``.
       unreduced_axes: one mesh axis over which the gradients arrive as

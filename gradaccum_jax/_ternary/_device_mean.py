@@ -302,7 +302,7 @@ def ternary_mean(
     state: TernaryState,
     weight: Any,
     splits: list[_blocks.Split] | None = None,
-) -> tuple[Any, TernaryState]:
+) -> tuple[Any, ...]:
     """One step: the mean of ``updates`` over the devices, and the new state.
 
     ``splits`` says, per leaf, how ``updates`` are blocks of leaves split

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from gradaccum_jax import _partials
+from gradaccum_jax import _reduction
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._device_mean import ternary_mean_and_sq_excess
 from gradaccum_jax._ternary._error_feedback import TernaryState, residual_init
@@ -20,7 +20,7 @@ def ternary_window_reduction(
     *,
     clip_sigma: float | None = 2.5,
     min_size: int = DEFAULT_MIN_SIZE,
-) -> _partials.WindowReduction:
+) -> _reduction.WindowReduction:
     """Sums a window's per-device terms over devices as ternary codes.
 
     For `MultiSteps` with ``unreduced_axes`` (``window_reduction=``): at the
@@ -84,4 +84,4 @@ def ternary_window_reduction(
         sums, (key, sq_excess) = layout.over_term_blocks(local)(terms, key)
         return sums, key, sq_excess
 
-    return _partials.WindowReduction(init_fn, reduce_fn, reports_sq_excess=True)
+    return _reduction.WindowReduction(init_fn, reduce_fn, reports_sq_excess=True)
