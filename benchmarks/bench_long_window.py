@@ -47,7 +47,8 @@ import numpy as np
 import optax
 
 import gradaccum_jax
-from gradaccum_jax import WindowAccumulator, state_nbytes
+from gradaccum_jax.extend import WindowAccumulator
+from gradaccum_jax.measure import state_nbytes
 
 K = 10_000
 CASES = (

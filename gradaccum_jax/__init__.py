@@ -4,6 +4,11 @@ compression as pure optax transformations for JAX.
 Every public name is an ``optax.GradientTransformation`` (or a helper around
 one) over pytrees with an immutable NamedTuple state: jit-able, scan-able,
 pmap-able and checkpointable, and chainable with any optax optimizer.
+
+The top level holds what a user trains with. Two submodules hold the rest:
+`gradaccum_jax.extend`, the accumulation engine's extension protocols and
+the parts' state types; `gradaccum_jax.measure`, what reads compiled
+programs and states.
 """
 
 # --- accumulation ---
@@ -17,15 +22,9 @@ from gradaccum_jax._accumulation import (
     skip_large_updates,
     skip_not_finite,
 )
-from gradaccum_jax._window import RunningMean, WindowAccumulator, float_accumulator
-
-# --- the engine's extension protocols (docs/architecture.md) ---
-from gradaccum_jax._partials import TermsLayout
-from gradaccum_jax._reduction import WindowReduction
-from gradaccum_jax._statistic import WindowPosition, WindowStatistic
 
 # --- gradient noise scale ---
-from gradaccum_jax._noise_scale import NoiseScaleEstimate, NoiseScaleState
+from gradaccum_jax._noise_scale import NoiseScaleEstimate
 from gradaccum_jax._window_size import AdaptiveWindow, adaptive_every_k
 
 # --- clipping ---
@@ -41,7 +40,6 @@ from gradaccum_jax._averaging import average_across_devices
 
 # --- ternary compression ---
 from gradaccum_jax._ternary import (
-    TernaryAccumulatorState,
     TernaryState,
     ternarize,
     ternary_accumulate,
@@ -51,8 +49,9 @@ from gradaccum_jax._ternary import (
     ternary_window_reduction,
 )
 
-# --- submodules: what reads compiled programs and states ---
-from gradaccum_jax import measure
+# --- submodules: the engine's protocols and the parts' state types; what
+# reads compiled programs and states ---
+from gradaccum_jax import extend, measure
 
 # --- data parallelism under jax.jit: per-device gradients ---
 from gradaccum_jax._local import local_value_and_grad
@@ -84,16 +83,12 @@ __all__ = [
     "diloco",
     "DiLoCoState",
     "ClipByGlobalNormState",
-    "float_accumulator",
     "global_norm",
     "local_value_and_grad",
-    "WindowPosition",
     "microbatched_value_and_grad",
     "MultiSteps",
     "MultiStepsState",
     "NoiseScaleEstimate",
-    "NoiseScaleState",
-    "RunningMean",
     "ShouldSkipUpdateFunction",
     "skip_large_updates",
     "skip_not_finite",
@@ -104,11 +99,6 @@ __all__ = [
     "ternary_dequantize",
     "ternary_quantize",
     "ternary_window_reduction",
-    "TernaryAccumulatorState",
     "TernaryState",
-    "TermsLayout",
-    "WindowAccumulator",
-    "WindowReduction",
-    "WindowStatistic",
     "worker_value_and_grad",
 ]

@@ -79,7 +79,8 @@ from gradaccum_jax._statistic import WindowStatistic
 
 
 class NoiseScaleState(NamedTuple):
-    """What the accumulator keeps for the noise scale (`MultiStepsState.noise`).
+    """What the accumulator keeps for the noise scale
+    (`gradaccum_jax.MultiStepsState.noise`).
 
     Attributes:
       sq_norm_sum: ``A = sum w_i |g_i|^2`` over the current window's

@@ -52,9 +52,9 @@ class WindowStatistic(NamedTuple):
 
     Its state holds two kinds of things: *window terms*, sums over the
     window's micro-batches that the engine keeps per device where the
-    window is (a `gradaccum_jax._partials.TermsLayout`) and reduces with
-    the window, in the same collective; and whatever the statistic keeps
-    across windows (moving averages), the same on every device.
+    window is (a `TermsLayout`) and reduces with the window, in the same
+    collective; and whatever the statistic keeps across windows (moving
+    averages), the same on every device.
 
     Attributes:
       init: ``init(params, layout) -> state``: the state before any

@@ -198,11 +198,12 @@ def float_accumulator(
     mesh, stacked on a leading axis of size ``n_devices`` on an Auto mesh
     (one axis). Each device adds its own gradients and nothing crosses
     devices until the engine reduces the window, once, when it emits.
-    Gradients must then come in the same form (`local_value_and_grad`). A
-    replicated weight multiplies them as usual; a per-device weight
-    (unreduced, or shape ``(n_devices,)`` when stacked) means each device's
-    gradient term is already weighted (``w_d * g_d``), since a product of
-    two sums over devices is not the sum of the products.
+    Gradients must then come in the same form
+    (`gradaccum_jax.local_value_and_grad`). A replicated weight multiplies
+    them as usual; a per-device weight (unreduced, or shape
+    ``(n_devices,)`` when stacked) means each device's gradient term is
+    already weighted (``w_d * g_d``), since a product of two sums over
+    devices is not the sum of the products.
 
     Args:
       dtype: floating dtype of the sum (``accumulator_dtype``). A dtype

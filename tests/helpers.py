@@ -23,7 +23,7 @@ import gradaccum_jax
 from gradaccum_jax.measure import collectives
 
 # The public submodules: their names are public below the package's.
-PUBLIC_SUBMODULES = ("measure",)
+PUBLIC_SUBMODULES = ("extend", "measure")
 
 
 def _eager(fn):

@@ -364,7 +364,7 @@ def test_bad_weight_and_skip_function_outputs():
 
 
 def test_custom_window_accumulator_plugs_into_the_engine():
-    half_precision = gradaccum_jax.float_accumulator(jnp.float16)
+    half_precision = gradaccum_jax.extend.float_accumulator(jnp.float16)
     opt = MultiSteps(optax.identity(), 2, window_accumulator=half_precision)
     outputs, state = run(opt, scalar_grads(1.0, 2.0))
     assert state.acc_grads.mean["a"].dtype == jnp.float16

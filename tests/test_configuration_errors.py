@@ -22,17 +22,19 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
+from helpers import public_names, public_object
 
 
 def _loss(params, batch):
     return jnp.sum(params * batch)
 
 
-# Valid arguments for every public constructor; each row changes one of them.
+# Valid arguments for every public constructor, named as `public_names`
+# names it (``extend.float_accumulator``); each row changes one of them.
 VALID: dict[str, dict[str, Any]] = {
     "MultiSteps": {"opt": optax.sgd(0.1), "every_k_schedule": 2},
     "accumulate": {"opt": optax.sgd(0.1), "every_k": 2},
-    "float_accumulator": {"dtype": jnp.float32},
+    "extend.float_accumulator": {"dtype": jnp.float32},
     "clip_by_global_norm": {"max_norm": 1.0},
     "clip": {"max_delta": 1.0},
     "average_across_devices": {"axis_name": "devices"},
@@ -55,6 +57,10 @@ INPUTS = {("ternary_quantize", "x"), ("ternary_quantize", "key")}
 NOT_CONSTRUCTORS = {
     "global_norm",
     "ternary_dequantize",
+    "measure.state_nbytes",
+    "measure.all_reduce_nbytes",
+    "measure.all_reduces",
+    "measure.collectives",
     "stack_workers",
     "anchor_params",
     # optax's own functions, re-exported with optax's signatures.
@@ -124,7 +130,7 @@ TABLE: list[Row] = [
         FLOAT_DTYPE,
     ),
     Row(
-        "float_accumulator",
+        "extend.float_accumulator",
         "dtype",
         (jnp.int32, jnp.bool_, jnp.complex64, "no-such-dtype", None),
         FLOAT_DTYPE,
@@ -164,7 +170,7 @@ TABLE: list[Row] = [
     Row("local_value_and_grad", "axis_name", ("", None, 3, ("data",)), AXIS_NAME),
     # Mesh axes over which gradients arrive unreduced.
     *_rows_for(
-        ("MultiSteps", "accumulate", "float_accumulator", "ternary_accumulate"),
+        ("MultiSteps", "accumulate", "extend.float_accumulator", "ternary_accumulate"),
         "unreduced_axes",
         ("", None, 3, ("data", "data"), ("data", ""), ("data", 1)),
         MESH_AXES,
@@ -179,7 +185,7 @@ TABLE: list[Row] = [
     Row(
         "MultiSteps",
         "statistics",
-        ("noise", (1, 2), ga.WindowStatistic(*[lambda *a: None] * 5)),
+        ("noise", (1, 2), ga.extend.WindowStatistic(*[lambda *a: None] * 5)),
         r"`statistics` must be a sequence of WindowStatistic",
     ),
     # A window reduction needs per-device terms: without `unreduced_axes`
@@ -292,7 +298,7 @@ def _cases():
 
 @pytest.mark.parametrize(("row", "bad"), list(_cases()))
 def test_bad_argument_raises_value_error_naming_it_and_its_range(row, bad):
-    constructor = getattr(ga, row.constructor)
+    constructor = public_object(row.constructor)
     call = f"gradaccum_jax.{row.constructor}({row.argument}={bad!r})"
     try:
         constructor(**{**VALID[row.constructor], row.argument: bad})
@@ -310,14 +316,14 @@ def test_bad_argument_raises_value_error_naming_it_and_its_range(row, bad):
 
 def test_valid_arguments_construct():
     for name, kwargs in VALID.items():
-        built = getattr(ga, name)(**kwargs)
+        built = public_object(name)(**kwargs)
         if name == "ternary_quantize":
             codes, scale = built
             assert (codes.dtype, scale.dtype) == (jnp.int8, jnp.float32)
-        elif name == "float_accumulator":
-            assert isinstance(built, ga.WindowAccumulator)
+        elif name == "extend.float_accumulator":
+            assert isinstance(built, ga.extend.WindowAccumulator)
         elif name == "ternary_window_reduction":
-            assert isinstance(built, ga._reduction.WindowReduction)
+            assert isinstance(built, ga.extend.WindowReduction)
         elif name == "adaptive_every_k":
             assert isinstance(built, ga.AdaptiveWindow)
         elif name in (
@@ -332,8 +338,8 @@ def test_valid_arguments_construct():
 
 def _public_callables() -> set[str]:
     names = set()
-    for name in ga.__all__:
-        value = getattr(ga, name)
+    for name in public_names():
+        value = public_object(name)
         if not callable(value):
             continue
         if inspect.isclass(value) and name != "MultiSteps":
@@ -351,7 +357,7 @@ def test_table_covers_every_argument_of_every_constructor():
     covered = {(row.constructor, row.argument) for row in TABLE} | INPUTS
     missing = []
     for name in sorted(constructors):
-        for parameter in inspect.signature(getattr(ga, name)).parameters:
+        for parameter in inspect.signature(public_object(name)).parameters:
             if (name, parameter) not in covered:
                 missing.append(f"{name}({parameter}=...)")
     assert not missing, f"no bad-value row for {missing}"

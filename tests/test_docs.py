@@ -3,7 +3,7 @@
 The build renders the committed notebooks without executing them and
 generates the API reference from the docstrings; it takes about 20 s. The
 API page must document every public name: ``gradaccum_jax.__all__`` and
-its public submodules' (``gradaccum_jax.measure``).
+its public submodules' (``gradaccum_jax.extend``, ``gradaccum_jax.measure``).
 """
 
 from __future__ import annotations

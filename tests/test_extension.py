@@ -1,8 +1,8 @@
 """Writing your own part: a window reduction and a statistic, public protocol only.
 
 The two toys below are the example of ``docs/architecture.md`` ("Write your
-own part"); they use nothing but public names of ``gradaccum_jax`` and the
-`TermsLayout` object the engine hands them:
+own part"); they use nothing but public names (the protocols are in
+``gradaccum_jax.extend``) and the `TermsLayout` object the engine hands them:
 
 * `bf16_wire_reduction`: the window's per-device terms are sent as bfloat16
   (half the bytes of a float32 all-reduce) and summed in float32; its state
@@ -33,7 +33,7 @@ import gradaccum_jax as ga
 K = 3
 
 
-def bf16_wire_reduction() -> ga.WindowReduction:
+def bf16_wire_reduction() -> ga.extend.WindowReduction:
     """Per-device terms summed as bfloat16 on the wire, in float32 after."""
 
     def reduce(terms, layout, windows):
@@ -45,7 +45,7 @@ def bf16_wire_reduction() -> ga.WindowReduction:
         sums = jax.tree.map(lambda s, t: s.astype(t.dtype), wire, terms)
         return sums, windows + 1
 
-    return ga.WindowReduction(
+    return ga.extend.WindowReduction(
         init=lambda params: jnp.zeros([], jnp.int32), reduce=reduce
     )
 
@@ -56,7 +56,7 @@ class WindowNorm(NamedTuple):
     last_micro_batches: jax.Array
 
 
-def window_norm_statistic() -> ga.WindowStatistic:
+def window_norm_statistic() -> ga.extend.WindowStatistic:
     """The last closed window's mean-gradient squared norm and size."""
 
     def init(params, layout):
@@ -77,7 +77,7 @@ def window_norm_statistic() -> ga.WindowStatistic:
             last_sq_norm=sq / weight**2, last_micro_batches=state.micro_batches
         )
 
-    return ga.WindowStatistic(
+    return ga.extend.WindowStatistic(
         init=init,
         observe=observe,
         window_terms=lambda state: state.micro_batches,

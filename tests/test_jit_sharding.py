@@ -884,7 +884,7 @@ def test_per_device_ternary_state_is_int8_codes_stacked_per_device(any_mesh):
     batch = _micro_batches([16], masked=True)[0]
     _, state = step(params, state, *_place(batch))
     window = state.acc_grads.local
-    assert isinstance(window, ga.TernaryAccumulatorState)
+    assert isinstance(window, ga.extend.TernaryAccumulatorState)
     for name, shape in (("w1", (16, 32)), ("w2", (32, 4))):
         codes = window.code_sums[name]
         assert (codes.dtype, codes.shape) == (jnp.int8, (N_DEVICES, *shape))
@@ -994,7 +994,7 @@ def test_per_device_windows_track_the_noise_scale(any_mesh):
     opt = ga.MultiSteps(
         optax.sgd(1.0),
         K,
-        window_accumulator=ga.float_accumulator(jnp.float32),
+        window_accumulator=ga.extend.float_accumulator(jnp.float32),
         unreduced_axes="data",
         track_noise_scale=True,
         noise_scale_decay=NOISE_DECAY,

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
-from gradaccum_jax._window import RunningMean
+from gradaccum_jax.extend import RunningMean
 
 
 def _emitted(tx, grads, weights=None):
@@ -62,7 +62,7 @@ def test_bfloat16_mean_of_512_ones_is_one():
 
 def test_float32_window_is_a_plain_tree_of_the_sum():
     # No extra state on the default path: the sum itself, like the params.
-    acc = ga.float_accumulator(jnp.float32)
+    acc = ga.extend.float_accumulator(jnp.float32)
     state = acc.add(acc.init({"a": jnp.zeros(2)}), {"a": jnp.ones(2)}, jnp.float32(3))
     assert set(state) == {"a"} and state["a"].dtype == jnp.float32
     np.testing.assert_array_equal(acc.total(state)["a"], [3.0, 3.0])
@@ -70,7 +70,7 @@ def test_float32_window_is_a_plain_tree_of_the_sum():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_low_precision_total_is_the_weighted_sum_in_float32(dtype):
-    acc = ga.float_accumulator(dtype)
+    acc = ga.extend.float_accumulator(dtype)
     state = acc.init({"a": jnp.zeros(2)})
     assert isinstance(state, RunningMean)
     assert state.mean["a"].dtype == dtype and state.weight.dtype == jnp.float32

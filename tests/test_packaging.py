@@ -26,6 +26,7 @@ import zipfile
 import pytest
 
 import gradaccum_jax
+from helpers import PUBLIC_SUBMODULES
 
 pytest.importorskip("build")
 pytest.importorskip("twine")
@@ -33,15 +34,16 @@ pytest.importorskip("twine")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FLOOR_PINS = ROOT / ".ci" / "floor_pins.py"
 TIMEOUT_S = 120
+# Run by the installed wheel's interpreter; SUBMODULES is PUBLIC_SUBMODULES.
 PROBE = """
-import importlib.metadata, json, sys
+import importlib, importlib.metadata, json, sys
 import gradaccum_jax
 missing = [name for name in gradaccum_jax.__all__ if not hasattr(gradaccum_jax, name)]
-missing += [
-    f"measure.{name}"
-    for name in gradaccum_jax.measure.__all__
-    if not hasattr(gradaccum_jax.measure, name)
-]
+for submodule in SUBMODULES:
+    module = importlib.import_module("gradaccum_jax." + submodule)
+    missing += [
+        f"{submodule}.{name}" for name in module.__all__ if not hasattr(module, name)
+    ]
 from gradaccum_jax import *
 print(json.dumps({
     "file": gradaccum_jax.__file__,
@@ -50,7 +52,7 @@ print(json.dumps({
     "missing": missing,
     "star_imported": sorted(set(gradaccum_jax.__all__) & set(globals())),
 }))
-"""
+""".replace("SUBMODULES", repr(PUBLIC_SUBMODULES))
 
 
 def clean_env() -> dict[str, str]:

@@ -49,7 +49,8 @@ def accumulate(
       count_skipped: as in `MultiSteps`; True here, so skipped micro-batches
         keep their place in the window and devices stay in step.
       accumulator_dtype: floating dtype of the window sum (narrower than
-        float32: of a running mean, see `float_accumulator`).
+        float32: of a running mean, see
+        `gradaccum_jax.extend.float_accumulator`).
       unreduced_axes: as in `MultiSteps`: mesh axes over which gradients
         arrive unreduced, reduced once per window; checkpoint
         ``reduce_window(state)``, not the state (whose unreduced arrays

@@ -118,9 +118,9 @@ class MultiSteps:
             is as if it never happened; if True, it takes its place in the
             window with weight 0, so every window closes after exactly k
             calls, as devices that reduce across each other in ``opt`` need.
-          window_accumulator: how the window sum is stored (`WindowAccumulator`);
-            overrides ``accumulator_dtype``. With ``unreduced_axes`` (one mesh
-            axis) each device keeps its own window, decoded and reduced when it emits.
+          window_accumulator: how the window sum is stored (`extend.WindowAccumulator`);
+            overrides ``accumulator_dtype``. With ``unreduced_axes`` (one mesh axis)
+            each device keeps its own window, decoded and reduced when it emits.
           unreduced_axes: mesh axes over which the gradients arrive as
             per-device terms (`local_value_and_grad`): the window is reduced
             once, at the emitting call. Not with a skip function. orbax cannot
@@ -138,9 +138,9 @@ class MultiSteps:
           noise_scale_estimator: ``"sampled"`` (default): one micro-batch's
             squared norm per window, drawn uniformly, times the window's size
             (unbiased, cheaper, noisier); ``"all"``: every micro-batch's.
-          statistics: more `WindowStatistic` s of the windows (see
-            ``docs/architecture.md``, "Write your own part"); their states
-            are kept in ``MultiStepsState.statistics``.
+          statistics: more `gradaccum_jax.extend.WindowStatistic` s of the
+            windows (see ``docs/architecture.md``, "Write your own part");
+            their states are kept in ``MultiStepsState.statistics``.
         """
         self._parts = engine_parts(
             opt,

@@ -17,8 +17,9 @@ class MultiStepsState(NamedTuple):
         of zero weight, which emit none).
       inner_opt_state: the wrapped optimizer's state.
       acc_grads: the window's accumulated (weighted) gradient sum, in the
-        layout of the `WindowAccumulator` (a tree like the params by default,
-        a `RunningMean` for a float16 or bfloat16 ``accumulator_dtype``).
+        layout of the `gradaccum_jax.extend.WindowAccumulator` (a tree like
+        the params by default, a `gradaccum_jax.extend.RunningMean` for a
+        float16 or bfloat16 ``accumulator_dtype``).
         Meaningful while ``mini_step > 0``: after an emission it holds the
         emitted updates until the next micro-batch resets it.
       skip_state: what ``should_skip_update_fn`` returned last.
@@ -28,12 +29,13 @@ class MultiStepsState(NamedTuple):
       reduction_state: the ``window_reduction``'s state (``()`` for the
         default float all-reduce; the PRNG counter of
         `gradaccum_jax.ternary_window_reduction`).
-      noise: the gradient noise scale's `NoiseScaleState` with
+      noise: the gradient noise scale's
+        `gradaccum_jax.extend.NoiseScaleState` with
         ``track_noise_scale=True``, else ``()``.
       window_size: the current window's size with an `adaptive_every_k`
         schedule (int32), else ``()``.
       statistics: the states of the ``statistics=`` passed to the
-        accumulator (`gradaccum_jax.WindowStatistic`), in their order.
+        accumulator (`gradaccum_jax.extend.WindowStatistic`), in their order.
     """
 
     mini_step: Any

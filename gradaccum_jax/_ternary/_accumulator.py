@@ -38,7 +38,8 @@ _CODE_SUM_DTYPES = ((127, jnp.int8), (32767, jnp.int16))
 
 
 class TernaryAccumulatorState(NamedTuple):
-    """One window of `ternary_accumulate`, stored in ``MultiStepsState.acc_grads``.
+    """One window of `gradaccum_jax.ternary_accumulate`, stored in
+    ``MultiStepsState.acc_grads``.
 
     Attributes:
       key: ``uint32[2] = (seed, micro-step counter)``, the counter of the
@@ -311,7 +312,7 @@ def ternary_accumulate(
     Returns:
       An `AccumulationTransformation` (``init``, ``update``, ``flush``,
       ``reset``, ``stats``, ``has_updated``), as `MultiSteps` gives; the
-      state's ``acc_grads`` is a `TernaryAccumulatorState`.
+      state's ``acc_grads`` is a `gradaccum_jax.extend.TernaryAccumulatorState`.
     """
     _no_noise_scale(every_k, track_noise_scale)
     code_sum_dtype = _code_sum_dtype(_window_limit(every_k, max_every_k))

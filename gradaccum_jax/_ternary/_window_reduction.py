@@ -41,9 +41,10 @@ def ternary_window_reduction(
     why, and how the random bits make a restored run emit the same updates.
 
     It also says by how much the codes change the squared norm of the sum
-    (`WindowReduction.reports_sq_excess`: their rounding variance, less
-    what clipping removed, one more scalar psum per window), so that the
-    gradient noise scale tracked on the window stays unbiased.
+    (`gradaccum_jax.extend.WindowReduction.reports_sq_excess`: their
+    rounding variance, less what clipping removed, one more scalar psum per
+    window), so that the gradient noise scale tracked on the window stays
+    unbiased.
 
     Args:
       seed: an integer in [0, 2**32 - 1].
@@ -54,7 +55,8 @@ def ternary_window_reduction(
         float32 scale anyway).
 
     Returns:
-      A `WindowReduction` for ``MultiSteps(..., window_reduction=...)``.
+      A `gradaccum_jax.extend.WindowReduction` for
+      ``MultiSteps(..., window_reduction=...)``.
     """
     seed, clip_sigma, min_size = common_config(seed, clip_sigma, min_size)
     # The window weight (one element) must stay exact: it decides whether
