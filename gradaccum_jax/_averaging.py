@@ -35,6 +35,17 @@ def average_across_devices(axis_name: Any) -> optax.GradientTransformationExtraA
     shard_map") has the rules for dtypes, weights, ``shard_map`` specs and
     plain ``jax.jit``.
 
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from gradaccum_jax import average_across_devices
+    >>> tx = average_across_devices("data")
+    >>> def mean(update, weight):
+    ...     return tx.update(update, tx.init(None), weight=weight)[0]
+    >>> updates, weights = jnp.array([1.0, 4.0]), jnp.array([3.0, 1.0])
+    >>> jax.vmap(mean, axis_name="data")(updates, weights)  # (3*1 + 1*4) / 4
+    Array([1.75, 1.75], dtype=float32)
+
     Args:
       axis_name: The name of the mapped axis to average over (as given to
         ``pmap`` or to the ``Mesh``), or a tuple of names.

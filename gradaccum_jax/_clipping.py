@@ -37,6 +37,13 @@ def global_norm(tree: Any) -> jax.Array:
     ``jax.jit`` the cast fuses into the reduction, so no float32 copy of the
     tree is materialised). float64 and complex leaves keep their precision.
 
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from gradaccum_jax import global_norm
+    >>> global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0], jnp.bfloat16)})
+    Array(5., dtype=float32)
+
     Args:
       tree: A pytree of arrays, e.g. gradients or updates.
 
@@ -137,6 +144,15 @@ def clip(max_delta: float) -> optax.GradientTransformation:
     """Clips every element of the updates to ``[-max_delta, max_delta]``.
 
     The same as ``optax.clip``, with the argument checked at construction.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from gradaccum_jax import clip
+    >>> tx = clip(1.0)
+    >>> updates, _ = tx.update(jnp.array([-3.0, 0.5, 2.0]), tx.init(None))
+    >>> updates
+    Array([-1. ,  0.5,  1. ], dtype=float32)
 
     Args:
       max_delta: The largest absolute value an element may have; a positive

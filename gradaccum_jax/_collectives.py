@@ -119,6 +119,18 @@ def collectives(compiled: Any, mesh: Any = None) -> list[Collective]:
     often each runs. Collectives over groups of one device move nothing and
     are left out.
 
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from gradaccum_jax import measure
+    >>> from jax.sharding import AxisType
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> with jax.set_mesh(mesh):
+    ...     x = jax.device_put(jnp.ones((8, 256)), jax.P("data"))
+    ...     compiled = jax.jit(lambda x: x.sum(axis=0)).lower(x).compile()
+    >>> [(op.kind, op.nbytes, op.axes) for op in measure.collectives(compiled, mesh)]
+    [('all-reduce', 1024, ('data',))]
+
     Args:
       compiled: ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.
       mesh: the ``jax.sharding.Mesh`` the program was compiled for, to name

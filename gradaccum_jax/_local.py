@@ -80,6 +80,22 @@ def local_value_and_grad(
     runs on an Auto mesh (``axis_types=(AxisType.Auto,)``, or a plain
     ``jax.sharding.Mesh``) once it is set with ``jax.set_mesh``.
 
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType
+    >>> import gradaccum_jax as ga
+    >>> def loss_fn(w, x):
+    ...     return jnp.mean(w * x)
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    >>> grad_fn = jax.jit(ga.local_value_and_grad(loss_fn))
+    >>> with jax.set_mesh(mesh):
+    ...     loss, grads = grad_fn(1.0, jnp.arange(8.0))
+    >>> loss.shape, grads.shape  # one term per device, stacked on an Auto mesh
+    ((8,), (8,))
+    >>> float(loss.sum()), float(grads.sum())  # their sum is the mean over devices
+    (3.5, 3.5)
+
     Args:
       loss_fn: ``loss_fn(params, *batch) -> loss`` (a scalar, the mean over
         the device's examples), or ``-> (loss, weight)`` with

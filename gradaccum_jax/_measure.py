@@ -24,6 +24,17 @@ def state_nbytes(tree: Any) -> int:
     replicated over several devices, this is the global array's size, i.e.
     ``n_devices`` times one device's copy for a pmapped state.
 
+    Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from gradaccum_jax import measure
+    >>> params = {"w": jnp.zeros((256, 4), jnp.bfloat16)}
+    >>> adam = optax.adam(1e-3)
+    >>> measure.state_nbytes(params), measure.state_nbytes(adam.init(params))
+    (2048, 4100)
+    >>> measure.state_nbytes(jax.eval_shape(adam.init, params))  # nothing allocated
+    4100
+
     Args:
       tree: any pytree, e.g. an optax state.
 
@@ -74,6 +85,14 @@ def all_reduce_nbytes(compiled: Any) -> int:
     Other collectives (all-gather, reduce-scatter) are not counted, nor
     all-reduces over groups of one device (see `all_reduces`).
 
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from gradaccum_jax import measure
+    >>> mean = jax.pmap(lambda x: jax.lax.pmean(x, "data"), axis_name="data")
+    >>> measure.all_reduce_nbytes(mean.lower(jnp.ones((8, 256))).compile())
+    1024
+
     Args:
       compiled: ``jax.jit(f).lower(...).compile()`` (or ``jax.pmap``), or
         the text of its ``as_text()``.
@@ -112,6 +131,15 @@ def all_reduces(compiled: Any) -> list[AllReduce]:
     Like `all_reduce_nbytes`, counts instructions in the text, not their
     executions; ``place`` tells which run on every call and which only
     inside a loop.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from gradaccum_jax import measure
+    >>> mean = jax.pmap(lambda x: jax.lax.pmean(x, "data"), axis_name="data")
+    >>> compiled = mean.lower(jnp.ones((8, 256))).compile()
+    >>> [(op.nbytes, op.place) for op in measure.all_reduces(compiled)]
+    [(1024, 'entry')]
 
     Args:
       compiled: ``jax.jit(f).lower(...).compile()``, or its ``as_text()``.

@@ -205,6 +205,17 @@ def float_accumulator(
     already weighted (``w_d * g_d``), since a product of two sums over
     devices is not the sum of the products.
 
+    Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> opt = ga.MultiSteps(
+    ...     optax.sgd(1.0), 2, window_accumulator=ga.float_accumulator(jnp.bfloat16)
+    ... )
+    >>> acc = opt.init({"w": jnp.zeros(3)}).acc_grads  # below float32: a running mean
+    >>> type(acc).__name__, acc.mean["w"].dtype
+    ('RunningMean', dtype(bfloat16))
+
     Args:
       dtype: floating dtype of the sum (``accumulator_dtype``). A dtype
         narrower than float32 keeps a running mean instead (see

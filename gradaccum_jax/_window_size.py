@@ -125,6 +125,15 @@ def adaptive_every_k(
     ``unreduced_axes`` under ``jax.jit``: there the window's terms are
     already summed over the devices before the estimate.
 
+    Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> opt = ga.MultiSteps(optax.sgd(0.1), ga.adaptive_every_k(1, k_min=2, k_max=16))
+    >>> state = opt.init({"w": jnp.zeros(3)})
+    >>> opt.stats(state).window_size  # k_min until the first estimate
+    Array(2, dtype=int32)
+
     Args:
       micro_batch_size: the weight of one micro-batch, a positive number.
       k_min: the smallest (and first) window, an integer >= 1.

@@ -11,6 +11,7 @@ branching and trace-time checks behave differently in the two.
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
 from typing import Any
 
@@ -21,6 +22,9 @@ import pytest
 
 import gradaccum_jax
 from gradaccum_jax.measure import collectives
+
+# The page whose table lists every public name with its signature.
+API_TABLE_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "api_summary.md"
 
 # The public submodules: their names are public below the package's.
 PUBLIC_SUBMODULES = ("extend", "measure")
@@ -101,3 +105,15 @@ def public_names() -> list[str]:
 def public_object(qualified_name: str) -> Any:
     """The object a name of `public_names` stands for."""
     return functools.reduce(getattr, qualified_name.split("."), gradaccum_jax)
+
+
+def api_table_entries() -> list[str]:
+    """The backticked names and calls of the first column of the API table."""
+    text = API_TABLE_PAGE.read_text()
+    start = text.index("| name | what it is |")
+    rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
+    entries = []
+    for row in rows:
+        first_column = row.split(" | ")[0].removeprefix("| ")
+        entries += re.findall(r"`([^`]+)`", first_column)
+    return entries

@@ -380,24 +380,33 @@ def _on_mesh(name: str, layout: Layout, params):
         return TRANSFORMATIONS[name](params, layout)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout_name", LAYOUTS)
-@pytest.mark.parametrize("name", TRANSFORMATIONS)
+# Transformations that run on data-parallel layouts only: no cell where the
+# params are sharded over ``data``. A device mean of gradients is data
+# parallelism over replicated params (with FSDP params jax.grad
+# reduce-scatters them itself); an unreduced window refuses such params
+# (`test_unreduced_windows_refuse_params_sharded_over_their_axis`).
+DATA_PARALLEL_ONLY = (
+    "average_across_devices",
+    "unreduced_window",
+    "unreduced_weighted_window",
+)
+CELLS = [
+    (name, layout_name, dtype)
+    for name in TRANSFORMATIONS
+    for layout_name, layout in LAYOUTS.items()
+    for dtype in DTYPES
+    if not (name in DATA_PARALLEL_ONLY and layout.shards_params_over_data)
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "layout_name", "dtype"),
+    CELLS,
+    ids=["-".join(cell) for cell in CELLS],
+)
 def test_sharded_equals_unsharded(name, layout_name, dtype):
     layout = LAYOUTS[layout_name]
     params = _params(DTYPES[dtype])
-    if name == "average_across_devices" and layout.shards_params_over_data:
-        pytest.skip(
-            "a device mean of gradients is data parallelism over replicated "
-            "params; with FSDP params jax.grad reduce-scatters them itself"
-        )
-    if name.startswith("unreduced") and layout.shards_params_over_data:
-        # A per-device term of an FSDP gradient would be the whole gradient
-        # on every device: the window cannot be unreduced over the axis the
-        # params are sharded over.
-        with pytest.raises(ValueError, match="sharded over the mesh axis 'data'"):
-            _on_mesh(name, layout, params)
-        return
     expected, expected_extra = _unsharded(name, dtype)
     actual, actual_extra = _on_mesh(name, layout, params)
     tolerance = TOLERANCE[dtype]
@@ -423,6 +432,21 @@ def test_sharded_equals_unsharded(name, layout_name, dtype):
                 ), f"step {step}, leaf {leaf}: {jax.typeof(g)}"
     for want, got in zip(expected_extra, actual_extra, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tolerance)
+
+
+def test_unreduced_windows_refuse_params_sharded_over_their_axis():
+    """A per-device term of an FSDP gradient would be the whole gradient on
+    every device: the window cannot be unreduced over the axis the params
+    are sharded over. Refused at init, before anything compiles."""
+    for layout in LAYOUTS.values():
+        if not layout.shards_params_over_data:
+            continue
+        for name in ("unreduced_window", "unreduced_weighted_window"):
+            for dtype in DTYPES.values():
+                with pytest.raises(
+                    ValueError, match="sharded over the mesh axis 'data'"
+                ):
+                    _on_mesh(name, layout, _params(dtype))
 
 
 @pytest.mark.parametrize("layout_name", ["2d-fsdp", "2d-tp"])

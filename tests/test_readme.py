@@ -23,14 +23,13 @@ import jax.numpy as jnp
 import pytest
 from packaging.requirements import Requirement
 
-from helpers import public_names, public_object
+from helpers import api_table_entries, public_names, public_object
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS_PAGES = sorted(
     [*(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "guides").glob("*.md")]
 )
-API_TABLE_PAGE = ROOT / "docs" / "api_summary.md"
 RUN_TIMEOUT_S = 240
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
@@ -225,18 +224,6 @@ def test_readme_notebook_table_lists_every_notebook_with_its_colab_badge():
 
 
 # --- the API table ---------------------------------------------------------
-
-
-def api_table_entries() -> list[str]:
-    """The backticked names and calls of the first column of the API table."""
-    text = API_TABLE_PAGE.read_text()
-    start = text.index("| name | what it is |")
-    rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
-    entries = []
-    for row in rows:
-        first_column = row.split(" | ")[0].removeprefix("| ")
-        entries += re.findall(r"`([^`]+)`", first_column)
-    return entries
 
 
 def written_signature(entry: str) -> tuple[str, list[tuple[str, str, str | None]]]:

@@ -40,6 +40,17 @@ def accumulate(
     is ``count_skipped=True``: a transformation in a chain most often runs
     under pmap / shard_map, where devices must close their windows together.
 
+    Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> tx = optax.chain(ga.clip_by_global_norm(10.0), ga.accumulate(optax.sgd(1.0), 2))
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> for g in (1.0, 3.0):
+    ...     updates, state = tx.update({"w": jnp.full(2, g)}, state)
+    >>> updates["w"]  # the second micro-batch closes the window: -mean
+    Array([-2., -2.], dtype=float32)
+
     Args:
       opt: the optimizer run on each window's gradient.
       every_k: micro-batches per update (int >= 1 or a schedule).

@@ -240,6 +240,18 @@ def anchor_params(state: Any) -> Any:
     `stack_workers` or ``jax.pmap``), whose anchors are the same on every
     worker: worker 0's is returned, moving nothing between devices.
 
+    Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> opt = ga.diloco(optax.sgd(0.1), sync_every=4)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update({"w": jnp.ones(2)}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> params["w"], ga.anchor_params(state)["w"]  # the worker drifted, not the anchor
+    (Array([0.9, 0.9], dtype=float32), Array([1., 1.], dtype=float32))
+
     Args:
       state: a `DiLoCoState` (possibly stacked), or an optax chain state
         that holds one (the first found is used).

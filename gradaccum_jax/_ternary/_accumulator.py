@@ -282,6 +282,20 @@ def ternary_accumulate(
     ternary_accumulate keeps a window", has the scale rule, the variance,
     weights, sharding and the per-device windows of ``unreduced_axes``.
 
+    Example:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> opt = ga.ternary_accumulate(optax.sgd(1.0), 2, clip_sigma=None, min_size=1)
+    >>> params = {"w": jnp.zeros(1024)}
+    >>> state = opt.init(params)
+    >>> ga.measure.state_nbytes(state.acc_grads) < ga.measure.state_nbytes(params) // 3
+    True
+    >>> for g in (1.0, 3.0):
+    ...     updates, state = opt.update({"w": jnp.full(1024, g)}, state, params)
+    >>> round(float(updates["w"].mean()), 1)  # unbiased: the window's -mean
+    -2.0
+
     Args:
       opt: the inner optimizer, run once per window.
       every_k: micro-steps per window: an int in [1, 32767], or a function of

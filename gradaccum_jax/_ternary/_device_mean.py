@@ -199,6 +199,18 @@ def ternary_average_across_devices(
     format, the residual's rules, and what a zero weight or a non-finite
     update does.
 
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from gradaccum_jax import ternary_average_across_devices
+    >>> tx = ternary_average_across_devices("data", seed=0, min_size=1)
+    >>> def mean(update):
+    ...     return tx.update(update, tx.init(update))[0]
+    >>> x = jnp.tile(jnp.array([1.0, -1.0, 0.0, 2.0]), (8, 1))  # 8 devices, same update
+    >>> out = jax.pmap(mean, axis_name="data")(x)
+    >>> bool((out == out[0]).all()), out.shape  # one result, on every device
+    (True, (8, 4))
+
     Args:
       axis_name: the pmap / shard_map axis (or tuple of axes) to average over.
       seed: an integer in [0, 2**32 - 1]; every device draws its own random

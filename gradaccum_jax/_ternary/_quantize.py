@@ -204,6 +204,16 @@ def ternary_quantize(
     still valid values in {-1, 0, 1} but carry no meaning: the dequantized
     tensor is all NaN, so the non-finite input stays visible downstream.
 
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from gradaccum_jax import ternary_dequantize, ternary_quantize
+    >>> codes, scale = ternary_quantize(jnp.array([0.9, -0.1, -1.1, 0.05]))  # TWN
+    >>> codes, scale
+    (Array([ 1,  0, -1,  0], dtype=int8), Array(1., dtype=float32))
+    >>> ternary_dequantize(codes, scale)
+    Array([ 1.,  0., -1.,  0.], dtype=float32)
+
     Args:
       x: a floating-point array of any shape (computed in float32).
       key: a PRNG key (typed or raw uint32) for stochastic rounding, or None
@@ -250,6 +260,14 @@ def ternary_dequantize(
 
     Also reconstructs summed codes (e.g. a window's or the devices' sums,
     any integer dtype) against their shared scale.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from gradaccum_jax import ternary_dequantize
+    >>> summed = jnp.array([3, 0, -2], jnp.int16)  # e.g. codes summed over a window
+    >>> ternary_dequantize(summed, jnp.float32(0.5), dtype=jnp.bfloat16)
+    Array([1.5, 0, -1], dtype=bfloat16)
 
     Args:
       codes: integer codes (int8 from `ternary_quantize`, or their sums).

@@ -67,6 +67,19 @@ def ternarize(
     ``_ternary._random``); the state keeps the seed and a step counter, so
     the transformation is pure and a run is reproducible from ``seed``.
 
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from gradaccum_jax import ternarize
+    >>> tx = ternarize(seed=0, stochastic=False, min_size=1)
+    >>> update = {"w": jnp.array([1.0, -0.25, -1.0, 0.0])}
+    >>> state = tx.init(update)
+    >>> sent, state = tx.update(update, state)
+    >>> sent["w"]
+    Array([ 1.,  0., -1.,  0.], dtype=float32)
+    >>> state.residual["w"]  # fed into the next step: nothing is lost
+    Array([ 0.  , -0.25,  0.  ,  0.  ], dtype=float32)
+
     Args:
       seed: an integer in [0, 2**32 - 1] seeding the stochastic rounding.
       stochastic: TernGrad's unbiased stochastic rounding if True, TWN's

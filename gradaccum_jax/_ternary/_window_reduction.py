@@ -46,6 +46,28 @@ def ternary_window_reduction(
     window), so that the gradient noise scale tracked on the window stays
     unbiased.
 
+    Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> from jax.sharding import AxisType
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    >>> reduction = ga.ternary_window_reduction(0, clip_sigma=None, min_size=1)
+    >>> opt = ga.MultiSteps(
+    ...     optax.sgd(1.0), 2, unreduced_axes="data", window_reduction=reduction
+    ... )
+    >>> def loss_fn(w, x):
+    ...     return jnp.mean(x @ w)
+    >>> w, x = jnp.zeros(4), jnp.ones((8, 4))
+    >>> with jax.set_mesh(mesh):
+    ...     state = opt.init(w)
+    ...     grad_fn = jax.jit(ga.local_value_and_grad(loss_fn))
+    ...     for _ in range(2):
+    ...         _, grads = grad_fn(w, x)
+    ...         updates, state = jax.jit(opt.update)(grads, state, w)
+    >>> updates  # equal terms: the codes carry them exactly
+    Array([-1., -1., -1., -1.], dtype=float32)
+
     Args:
       seed: an integer in [0, 2**32 - 1].
       clip_sigma: TernGrad's clipping threshold in standard deviations;
