@@ -210,7 +210,7 @@ def float_accumulator(
     >>> import jax.numpy as jnp, optax
     >>> import gradaccum_jax as ga
     >>> opt = ga.MultiSteps(
-    ...     optax.sgd(1.0), 2, window_accumulator=ga.float_accumulator(jnp.bfloat16)
+    ...     optax.sgd(1.0), 2, window_accumulator=ga.extend.float_accumulator(jnp.bfloat16)
     ... )
     >>> acc = opt.init({"w": jnp.zeros(3)}).acc_grads  # below float32: a running mean
     >>> type(acc).__name__, acc.mean["w"].dtype
