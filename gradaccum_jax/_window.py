@@ -209,9 +209,8 @@ def float_accumulator(
 
     >>> import jax.numpy as jnp, optax
     >>> import gradaccum_jax as ga
-    >>> opt = ga.MultiSteps(
-    ...     optax.sgd(1.0), 2, window_accumulator=ga.extend.float_accumulator(jnp.bfloat16)
-    ... )
+    >>> window = ga.extend.float_accumulator(jnp.bfloat16)
+    >>> opt = ga.MultiSteps(optax.sgd(1.0), 2, window_accumulator=window)
     >>> acc = opt.init({"w": jnp.zeros(3)}).acc_grads  # below float32: a running mean
     >>> type(acc).__name__, acc.mean["w"].dtype
     ('RunningMean', dtype(bfloat16))
