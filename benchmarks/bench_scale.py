@@ -65,8 +65,6 @@ import time
 import traceback
 from pathlib import Path
 
-import _plots
-
 import _headline
 
 HERE = Path(__file__).resolve().parent
@@ -507,6 +505,11 @@ def main() -> None:
         default=str(HERE / "plots"),
         help="where scale.json and scale.png go; '' for nowhere",
     )
+    parser.add_argument(
+        "--no-figure",
+        action="store_true",
+        help="write scale.json but not scale.png (no matplotlib needed)",
+    )
     _headline.add_argument(parser)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -562,6 +565,11 @@ def main() -> None:
         plots = Path(args.plots)
         plots.mkdir(parents=True, exist_ok=True)
         (plots / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    if args.plots and not args.no_figure:
+        # Imported here: the figure needs matplotlib (the `examples` extra),
+        # the figures do not (tests/test_measure.py runs at the floors).
+        import _plots
+
         where = f"{os.cpu_count()} CPU cores, emulated devices"
         print(f"\nplot: {_plots.scale(results, plots / 'scale.png', where)}")
     print(f"total: {time.monotonic() - start:.0f} s")

@@ -324,6 +324,7 @@ def test_reference_configuration_on_64_devices(tmp_path):
             plain,
             "--plots",
             str(tmp_path),
+            "--no-figure",
         ],
         check=True,
         capture_output=True,
