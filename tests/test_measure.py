@@ -278,20 +278,6 @@ def test_unreadable_groups_are_an_error_not_a_guess():
         collectives(text)
 
 
-def test_measure_is_a_namespace_of_its_own():
-    assert ga.measure.collectives is collectives
-    for name in ga.measure.__all__:
-        assert not hasattr(ga, name), name
-    assert sorted(ga.measure.__all__) == [
-        "AllReduce",
-        "Collective",
-        "all_reduce_nbytes",
-        "all_reduces",
-        "collectives",
-        "state_nbytes",
-    ]
-
-
 def test_unknown_element_type_is_named():
     text = _HLO.replace("%single = f32[8,8]", "%single = q7[8,8]")
     text = text.replace("[8,1]<=[8]", "[2,4]<=[8]")
