@@ -21,7 +21,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
-import gradaccum_jax as ga
 from gradaccum_jax.measure import Collective, collectives
 
 ROWS, COLS = 16, 32  # the global operand; 8 x 8 float32 (256 bytes) per device
