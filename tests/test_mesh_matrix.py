@@ -4,8 +4,10 @@ A cell is a mesh layout x a param dtype x a transformation. The layouts: a
 1-D Explicit and a 1-D Auto ``data`` mesh with replicated params, and a 2-D
 Explicit ``data`` x ``model`` mesh with replicated, FSDP-sharded
 (``P("data", None)``) and tensor-parallel (``P(None, "model")``) params;
-float32 and bfloat16 params. Each cell runs a few jitted steps of one
-transformation and checks that
+float32 and bfloat16 params. Every transformation runs on every layout it
+supports, each pair with one dtype, chosen so that every transformation and
+every layout meets both (``_cells`` says which, and where both run). Each
+cell runs a few jitted steps of one transformation and checks that
 
 * the results equal the same steps on plain, unsharded arrays (exactly where
   the inputs are the same bits, to a tolerance where a collective sums in
@@ -390,13 +392,79 @@ DATA_PARALLEL_ONLY = (
     "unreduced_window",
     "unreduced_weighted_window",
 )
-CELLS = [
-    (name, layout_name, dtype)
-    for name in TRANSFORMATIONS
-    for layout_name, layout in LAYOUTS.items()
-    for dtype in DTYPES
-    if not (name in DATA_PARALLEL_ONLY and layout.shards_params_over_data)
-]
+# The cells where the params' dtype is not the only one to matter, so both
+# run: XLA:CPU aborted the process on a bfloat16 device mean inside a
+# shard_map manual over ``data`` alone of a 2-D mesh (gradaccum_jax now sums
+# such means in float32), a bug of the three together, on no single pair.
+BOTH_DTYPES = {
+    ("average_across_devices", "2d-replicated"),
+    ("average_across_devices", "2d-tp"),
+}
+# bfloat16_grads_window's gradients are bfloat16 whatever the params: its own
+# case is float32 params, updates in the gradients' dtype rather than the
+# params'. With bfloat16 params it would be multisteps' bfloat16 window, with
+# sgd for adam and without the noise scale: nothing more to fail.
+PARAM_DTYPE = {"bfloat16_grads_window": "float32"}
+
+
+def _cells() -> list[tuple[str, str, str]]:
+    """The (transformation, layout, params' dtype) cells that run.
+
+    Every transformation runs on every layout it supports, but with one
+    dtype: the pair of the i-th transformation and the j-th layout takes
+    ``DTYPES``' ``(i + j) % 2``-th, so that each transformation meets both
+    dtypes on some layouts and each layout meets both dtypes from some
+    transformations (pairwise coverage, half the cells of the full product).
+    A defect that needs a transformation and a dtype, or a layout and a
+    dtype, still shows in some cell; one that needs all three at once shows
+    only where ``BOTH_DTYPES`` runs both dtypes, as history asked.
+    ``PARAM_DTYPE`` fixes the dtype of a transformation whose other dtype
+    would repeat another transformation's cell.
+    `test_cells_cover_every_pair_and_the_pinned_triples` checks all of this,
+    so that an edit here cannot drop coverage unnoticed.
+    """
+    dtypes = list(DTYPES)
+    cells = []
+    for i, name in enumerate(TRANSFORMATIONS):
+        for j, (layout_name, layout) in enumerate(LAYOUTS.items()):
+            if name in DATA_PARALLEL_ONLY and layout.shards_params_over_data:
+                continue
+            if (name, layout_name) in BOTH_DTYPES:
+                chosen = dtypes
+            else:
+                chosen = [PARAM_DTYPE.get(name, dtypes[(i + j) % len(dtypes)])]
+            cells.extend((name, layout_name, dtype) for dtype in chosen)
+    return cells
+
+
+CELLS = _cells()
+
+
+def _dtypes_met(name: str, dtype: str) -> set[str]:
+    """The dtypes a cell runs its transformation on: params' and updates'."""
+    return {dtype, jnp.dtype(UPDATE_DTYPE.get(name, DTYPES[dtype])).name}
+
+
+def test_cells_cover_every_pair_and_the_pinned_triples():
+    """Cutting the product to pairs keeps each pair that can fail: every
+    transformation on every layout it runs on, with both dtypes somewhere;
+    every layout with both dtypes; both dtypes where a bug needed all three."""
+    pairs = {(name, layout_name) for name, layout_name, _ in CELLS}
+    assert len(set(CELLS)) == len(CELLS)
+    for name in TRANSFORMATIONS:
+        for layout_name, layout in LAYOUTS.items():
+            refused = name in DATA_PARALLEL_ONLY and layout.shards_params_over_data
+            assert ((name, layout_name) in pairs) != refused, (name, layout_name)
+        met = set().union(*(_dtypes_met(n, d) for n, _, d in CELLS if n == name))
+        assert met == set(DTYPES), name
+    for layout_name in LAYOUTS:
+        met = {dtype for _, in_layout, dtype in CELLS if in_layout == layout_name}
+        assert met == set(DTYPES), layout_name
+    # Named here rather than read from BOTH_DTYPES, so that an edit of that
+    # table cannot drop the bfloat16 device mean on a 2-D mesh unnoticed.
+    for layout_name in ("2d-replicated", "2d-tp"):
+        for dtype in DTYPES:
+            assert ("average_across_devices", layout_name, dtype) in CELLS
 
 
 @pytest.mark.parametrize(
