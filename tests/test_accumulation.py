@@ -4,6 +4,7 @@ optax's own MultiSteps tests run against ours in test_optax_compat.py; this
 file pins what ours does beyond them.
 """
 
+import copy
 import re
 
 import chex
@@ -467,6 +468,37 @@ def test_every_entry_point_has_the_window_methods(build):
     np.testing.assert_allclose(updates["a"], np.full(4, -1.0), rtol=1e-6)
     assert bool(tx.has_updated(flushed))
     assert int(tx.stats(tx.reset(state)).window_fill) == 0
+
+
+def test_a_transformation_holds_its_engine():
+    # It was found through ``update.__self__``: one whose update was not a
+    # bound `MultiSteps` method built, then failed on ``flush`` with an
+    # AttributeError from inside the library.
+    multi_steps = MultiSteps(optax.sgd(1.0), 2)
+    init, update = multi_steps.gradient_transformation()
+    with pytest.raises(ValueError, match=r"one argument, its engine .*not optax's"):
+        gradaccum_jax.AccumulationTransformation(init, lambda u, s, p=None: (u, s))
+    with pytest.raises(ValueError, match="engine must be a gradaccum_jax.MultiSteps"):
+        gradaccum_jax.AccumulationTransformation(init)
+
+    tx = gradaccum_jax.AccumulationTransformation(multi_steps)
+    assert (tx.init, tx.update) == (multi_steps.init, multi_steps.update)
+    params = {"a": jnp.zeros((2,))}
+    _, state = tx.update({"a": jnp.ones((2,))}, tx.init(params), params)
+    # Copies and tree maps keep the engine; leaves and key paths
+    # are NamedTuple's.
+    for same in (
+        copy.deepcopy(tx),
+        jax.tree.map(lambda f: f, tx),
+    ):
+        np.testing.assert_allclose(same.flush(state, params)[0]["a"], [-1.0, -1.0])
+    paths = [
+        jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(tx)
+    ]
+    assert paths == [".init", ".update"]
+    # A construction that bypasses ``__new__`` names the problem.
+    with pytest.raises(ValueError, match="built without its engine"):
+        tx._replace(update=update).flush(state, params)
 
 
 def test_accumulate_in_a_chain_still_receives_the_weight():

@@ -93,6 +93,29 @@ def add_micro_batch(
     return with_statistic_states(parts, state, stat_states), full
 
 
+class WindowCarry(NamedTuple):
+    """What closing a window reads and writes (the `run_if` carry).
+
+    Attributes:
+      updates: the update slots: the window's leaves that will hold the
+        inner optimizer's updates (`UpdateSlots`).
+      rest: the rest of the window's accumulator.
+      window_weight: the window's total weight (per-device terms).
+      inner_state: the inner optimizer's state.
+      reduction_state: the window reduction's state.
+      stepped: whether the inner optimizer stepped (False on entry).
+      stats: each statistic's state, in ``parts.statistics`` order.
+    """
+
+    updates: list[Any]
+    rest: Any
+    window_weight: Any
+    inner_state: Any
+    reduction_state: Any
+    stepped: jax.Array
+    stats: list[Any]
+
+
 class _Emission(NamedTuple):
     """What an emission needs besides its carry, fixed at trace time."""
 
@@ -128,33 +151,34 @@ def emit_if(
     """
     emission = _plan(parts, state, grads_like, params, extra_args, layout)
     slots = emission.slots
-    updates, rest, acc_weight, (inner_state, reduction_state), stepped, stats = run_if(
+    closed = run_if(
         emit,
         lambda carry: _close_window(emission, carry),
-        (
-            slots.initial_updates(state.acc_grads, scratch),
-            slots.rest(state.acc_grads),
-            state.acc_weight,
-            (state.inner_opt_state, state.reduction_state),
-            jnp.zeros([], jnp.bool_),
-            statistic_states(parts, state),
+        WindowCarry(
+            updates=slots.initial_updates(state.acc_grads, scratch),
+            rest=slots.rest(state.acc_grads),
+            window_weight=state.acc_weight,
+            inner_state=state.inner_opt_state,
+            reduction_state=state.reduction_state,
+            stepped=jnp.zeros([], jnp.bool_),
+            stats=statistic_states(parts, state),
         ),
     )
     new_updates = slots.updates_tree(
-        [jnp.where(emit, u, jnp.zeros((), u.dtype)) for u in updates]
+        [jnp.where(emit, u, jnp.zeros((), u.dtype)) for u in closed.updates]
     )
     new_state = state._replace(
         mini_step=jnp.where(emit, 0, state.mini_step),
         gradient_step=jnp.where(
             emit, optax.safe_increment(state.gradient_step), state.gradient_step
         ),
-        inner_opt_state=inner_state,
-        acc_grads=slots.window(updates, rest),
-        acc_weight=acc_weight,
-        emitted=jnp.logical_and(emit, stepped),
-        reduction_state=reduction_state,
+        inner_opt_state=closed.inner_state,
+        acc_grads=slots.window(closed.updates, closed.rest),
+        acc_weight=closed.window_weight,
+        emitted=jnp.logical_and(emit, closed.stepped),
+        reduction_state=closed.reduction_state,
     )
-    new_state = with_statistic_states(parts, new_state, stats)
+    new_state = with_statistic_states(parts, new_state, closed.stats)
     next_size = parts.window_size.next(state.window_size, new_state.noise)
     return new_updates, new_state._replace(
         window_size=jax.tree.map(
@@ -198,17 +222,18 @@ def _plan(parts, state, grads_like, params, extra_args, layout) -> _Emission:
     return _Emission(parts, layout, slots, inner_update, position)
 
 
-def _close_window(emission: _Emission, carry):
+def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
     """The emitting trip: reduce, close the statistics, step, reset."""
     parts, layout, slots = emission.parts, emission.layout, emission.slots
-    updates, rest, window_weight, (inner_state, reduction_state), _, stats = carry
+    updates, rest, window_weight = carry.updates, carry.rest, carry.window_weight
     reset_rest = slots.rest(parts.store.accumulator.reset(slots.window(updates, rest)))
     # The window's only cross-device traffic with `unreduced_axes`: its
     # per-device sums, its weight and the statistics' window terms, in one
     # reduction (by default one fused float all-reduce). Its leaves never
     # hold updates (`UpdateSlots`), so the reduced copy aliases no update.
     stat_terms = [
-        stat.window_terms(s) for stat, s in zip(parts.statistics, stats, strict=True)
+        stat.window_terms(s)
+        for stat, s in zip(parts.statistics, carry.stats, strict=True)
     ]
     (reduced, weight, stat_sums), reduction_state, sum_sq_excess = (
         parts.reduction.reduce_window(
@@ -218,14 +243,14 @@ def _close_window(emission: _Emission, carry):
                 stat_terms,
             ),
             layout,
-            reduction_state,
+            carry.reduction_state,
         )
     )
     window_sum = parts.store.window_sum(slots, updates, reduced)
     position = emission.position._replace(sum_sq_excess=sum_sq_excess)
     closed = [
         stat.close(stat.with_window_terms(s, sums), window_sum, weight, position)
-        for stat, s, sums in zip(parts.statistics, stats, stat_sums, strict=True)
+        for stat, s, sums in zip(parts.statistics, carry.stats, stat_sums, strict=True)
     ]
     weight = _inner_step.ordered_after(weight, closed)
     # The next window's terms: zeros, in the carry's form (per-device terms).
@@ -234,15 +259,16 @@ def _close_window(emission: _Emission, carry):
         for stat, s, terms in zip(parts.statistics, closed, stat_terms, strict=True)
     ]
     updates, inner_state, stepped = _step_if_weighted(
-        emission, updates, reduced, weight, inner_state
+        emission, updates, reduced, weight, carry.inner_state
     )
-    return (
-        updates,
-        reset_rest,
-        _tree.zeros_like(window_weight),
-        (inner_state, reduction_state),
-        stepped,
-        stats,
+    return WindowCarry(
+        updates=updates,
+        rest=reset_rest,
+        window_weight=_tree.zeros_like(window_weight),
+        inner_state=inner_state,
+        reduction_state=reduction_state,
+        stepped=stepped,
+        stats=stats,
     )
 
 

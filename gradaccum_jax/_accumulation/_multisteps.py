@@ -307,7 +307,7 @@ class MultiSteps:
     def gradient_transformation(self) -> AccumulationTransformation:
         """``(init, update)`` for `optax.chain`: an `AccumulationTransformation`
         (it takes ``weight=``) with this object's window methods."""
-        return AccumulationTransformation(self.init, self.update)
+        return AccumulationTransformation(self)
 
     def reduce_window(self, state: MultiStepsState) -> MultiStepsState:
         """Returns ``state`` with its window summed over ``unreduced_axes``.
