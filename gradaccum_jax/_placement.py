@@ -55,7 +55,7 @@ def rows_split(leaf: Any, axis: str) -> Any:
     """
     if not is_explicit(axis):
         return leaf
-    rest = tuple(_without(entry, axis) for entry in _tree.partitions(leaf)[1:])
+    rest = tuple(without_axis(entry, axis) for entry in _tree.partitions(leaf)[1:])
     return placed(leaf, P(axis, *rest))
 
 
@@ -70,9 +70,9 @@ def rows_split_like(leaf: Any, axis: str, like: Any) -> Any:
     """
     if not is_explicit(axis):
         return leaf
-    rest = tuple(_without(entry, axis) for entry in _tree.partitions(leaf)[1:])
+    rest = tuple(without_axis(entry, axis) for entry in _tree.partitions(leaf)[1:])
     if not _normalized(rest):
-        rest = tuple(_without(entry, axis) for entry in _tree.partitions(like))
+        rest = tuple(without_axis(entry, axis) for entry in _tree.partitions(like))
     return placed(leaf, P(axis, *rest))
 
 
@@ -129,7 +129,7 @@ def split_arguments(
     return tuple(placed_args), tuple(specs)
 
 
-def _without(entry: Any, axis: str) -> Any:
+def without_axis(entry: Any, axis: str) -> Any:
     """A spec entry with mesh ``axis`` dropped from it."""
     if entry == axis:
         return None

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from gradaccum_jax import _placement
 from gradaccum_jax._microbatching._layout import DataLayout, ShardedParams
 from gradaccum_jax._microbatching._scan import weighted_means
 from gradaccum_jax._tree import stacked_as_unreduced
@@ -115,16 +116,7 @@ def _final_grads(grads: Any, params: Any, layout: DataLayout) -> Any:
 def _gathered(leaf: jax.Array, axis: str) -> jax.Array:
     """``leaf`` resharded to be whole along ``axis`` (other axes kept)."""
     spec = jax.typeof(leaf).sharding.spec
-
-    def drop(entry: Any) -> Any:
-        if entry == axis:
-            return None
-        if isinstance(entry, tuple):
-            kept = tuple(name for name in entry if name != axis)
-            return kept or None
-        return entry
-
-    whole = P(*map(drop, spec))
+    whole = P(*(_placement.without_axis(entry, axis) for entry in spec))
     return leaf if whole == spec else jax.sharding.reshard(leaf, whole)
 
 
