@@ -25,7 +25,7 @@ from gradaccum_jax._accumulation import (
 
 # --- gradient noise scale ---
 from gradaccum_jax._noise_scale import NoiseScaleEstimate
-from gradaccum_jax._window_size import AdaptiveWindow, adaptive_every_k
+from gradaccum_jax._window._size import AdaptiveWindow, adaptive_every_k
 
 # --- clipping ---
 from gradaccum_jax._clipping import (

@@ -68,6 +68,8 @@ estimates is biased, its average too).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -80,7 +82,7 @@ from gradaccum_jax._statistic import WindowStatistic
 
 class NoiseScaleState(NamedTuple):
     """What the accumulator keeps for the noise scale
-    (`gradaccum_jax.MultiStepsState.noise`).
+    (``MultiStepsState.statistics["noise_scale"]``).
 
     Attributes:
       sq_norm_sum: ``A = sum w_i |g_i|^2`` over the current window's
@@ -162,6 +164,11 @@ def sq_norm(tree: Any) -> jax.Array:
 
 
 ESTIMATORS = ("sampled", "all")
+
+# The name the accumulator keeps the noise scale under
+# (``MultiStepsState.statistics``), with ``track_noise_scale=True`` or an
+# `adaptive_every_k` window.
+STATISTIC = "noise_scale"
 
 # The measured slot is a fixed hash of the window's index: no PRNG state to
 # keep, so a restored checkpoint draws the same slots, and a few scalar
@@ -401,17 +408,26 @@ def noise_scale_statistic(
             measured_count=terms[3],
         ),
         close=close,
+        report=lambda state: estimate(state)._asdict(),
     )
 
 
-def estimate(state: NoiseScaleState | Any) -> NoiseScaleEstimate:
-    """The bias-corrected averages and their ratio; NaN before any estimate.
+def configured(
+    noise_scale_decay: Any, noise_scale_estimator: Any
+) -> Callable[[Any], WindowStatistic]:
+    """``noise_scale_statistic`` for an accumulator's noise-scale options,
+    validated now (a ValueError naming the keyword): a function of the
+    mapped axis (or None) over which the devices share one estimate."""
+    decay = _checks.decay_rate("noise_scale_decay", noise_scale_decay)
+    estimator = _checks.one_of(
+        "noise_scale_estimator", noise_scale_estimator, ESTIMATORS
+    )
+    return functools.partial(noise_scale_statistic, decay, estimator)
 
-    ``state`` may be ``()`` (noise scale not tracked): all NaN.
-    """
+
+def estimate(state: NoiseScaleState) -> NoiseScaleEstimate:
+    """The bias-corrected averages and their ratio; NaN before any estimate."""
     nan = jnp.full([], jnp.nan, jnp.float32)
-    if not isinstance(state, NoiseScaleState):
-        return NoiseScaleEstimate(nan, nan, nan)
     correction = 1 - state.decay_power
     has_estimate = correction > 0
     safe_correction = jnp.where(has_estimate, correction, 1.0)

@@ -4,13 +4,16 @@ A `WindowStatistic` sees every micro-batch's gradients (as each device's own
 micro-batch, see `gradaccum_jax._partials.TermsLayout.micro_batch`) and,
 when the window closes, the window's reduced sum. The gradient noise scale
 (`gradaccum_jax._noise_scale`) is one; a new statistic is a new object
-passed to ``MultiSteps(..., statistics=...)``, not a new branch in the
-engine.
+passed to ``MultiSteps(..., statistics={name: statistic})``, not a new
+branch in the engine. The engine keeps each statistic's state under its
+name (``MultiStepsState.statistics[name]``) and reads what a statistic
+measured only through its `report`: `MultiSteps.stats` shows it, and a
+window-size policy (`adaptive_every_k`) reads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -74,6 +77,13 @@ class WindowStatistic(NamedTuple):
         ``window_sum`` is the window's weighted gradient sum (reduced),
         ``window_weight`` its total weight and ``position`` says how many
         slots it filled. The engine then empties the window terms itself.
+      report: optional ``report(state) -> {field: value}``: what the
+        statistic measured, as `gradaccum_jax.AccumulationStats` fields
+        (the noise scale reports ``grad_sq_norm``, ``noise_trace`` and
+        ``noise_scale``), float32 scalars the same on every device.
+        `MultiSteps.stats` shows them (NaN for a field no statistic
+        reports) and a window-size policy reads them. None: it reports
+        nothing (read its state from ``MultiStepsState.statistics``).
     """
 
     init: Callable[[Any, Any], Any]
@@ -81,3 +91,76 @@ class WindowStatistic(NamedTuple):
     window_terms: Callable[[Any], Any]
     with_window_terms: Callable[[Any, Any], Any]
     close: Callable[[Any, Any, jax.Array, WindowPosition], Any]
+    report: Callable[[Any], Mapping[str, jax.Array]] | None = None
+
+
+def named_statistics(
+    statistics: Any, *declared: Mapping[str, WindowStatistic]
+) -> dict[str, WindowStatistic]:
+    """The accumulator's statistics by name: ``statistics`` (the user's,
+    validated) after those the other parts ``declared`` (a window-size
+    policy's, then the constructor's sugar: the first of a name is kept).
+
+    Raises a ValueError naming ``statistics`` unless it maps names
+    (non-empty strings) to `WindowStatistic` s taken by no other part.
+    """
+    if statistics is None:
+        statistics = {}
+    if not isinstance(statistics, Mapping) or not all(
+        isinstance(name, str) and name and isinstance(stat, WindowStatistic)
+        for name, stat in statistics.items()
+    ):
+        raise ValueError(
+            "`statistics` must be a mapping of names (non-empty strings) to "
+            "WindowStatistic (e.g. {'window_norm': my_statistic}; each one's "
+            f"state is kept under its name), got {statistics!r}."
+        )
+    named: dict[str, WindowStatistic] = {}
+    for part in declared:
+        for name, stat in part.items():
+            named.setdefault(name, stat)
+    taken = sorted(set(named) & set(statistics))
+    if taken:
+        raise ValueError(
+            f"`statistics` names {taken[0]!r}, the name of a statistic the "
+            "accumulator keeps itself (track_noise_scale=True or an "
+            f"adaptive_every_k window keep the noise scale as {taken[0]!r}): "
+            "give yours another name."
+        )
+    return {**named, **statistics}
+
+
+def map_window_terms(
+    statistics: Mapping[str, WindowStatistic],
+    states: Mapping[str, Any],
+    fn: Callable[[Any], Any],
+) -> dict[str, Any]:
+    """The statistics' states with ``fn`` applied to their window terms."""
+    return {
+        name: stat.with_window_terms(states[name], fn(stat.window_terms(states[name])))
+        for name, stat in statistics.items()
+    }
+
+
+def reports(
+    statistics: Mapping[str, WindowStatistic], states: Mapping[str, Any]
+) -> dict[str, jax.Array]:
+    """Every statistic's `WindowStatistic.report`, merged into one mapping.
+
+    Raises a ValueError if two statistics report the same field: `stats`
+    would have to pick one.
+    """
+    merged: dict[str, jax.Array] = {}
+    source: dict[str, str] = {}
+    for name, stat in statistics.items():
+        if stat.report is None:
+            continue
+        for field, value in stat.report(states[name]).items():
+            if field in merged:
+                raise ValueError(
+                    f"The statistics {source[field]!r} and {name!r} both report "
+                    f"{field!r}: a field of AccumulationStats comes from one "
+                    "statistic; keep one of them."
+                )
+            merged[field], source[field] = value, name
+    return merged

@@ -17,7 +17,11 @@ from gradaccum_jax._partials import TermsLayout
 from gradaccum_jax._reduction import WindowReduction
 from gradaccum_jax._statistic import WindowPosition, WindowStatistic
 from gradaccum_jax._ternary import TernaryAccumulatorState
-from gradaccum_jax._window import RunningMean, WindowAccumulator, float_accumulator
+from gradaccum_jax._window._accumulator import (
+    RunningMean,
+    WindowAccumulator,
+    float_accumulator,
+)
 
 __all__ = [
     "NoiseScaleState",

@@ -87,6 +87,9 @@ ESTIMATOR = r"one of 'sampled', 'all'"
 
 NAN, INF = math.nan, math.inf
 
+# A `WindowStatistic` to put in the wrong place.
+STATISTIC = ga.extend.WindowStatistic(*[lambda *a: None] * 5)
+
 
 class Row(NamedTuple):
     constructor: str
@@ -180,18 +183,30 @@ TABLE: list[Row] = [
     # The wrapped optimizer: a transformation, not its factory.
     *_rows_for(ACCUMULATORS, "opt", (None, optax.adam, "adam"), TRANSFORMATION),
     Row("MultiSteps", "window_accumulator", ("float32", (1, 2)), ACCUMULATOR),
-    Row("MultiSteps", "window_reduction", ("ternary", (1, 2), 3), r"WindowReduction"),
-    # More window statistics: a sequence of WindowStatistic, not one bare.
-    Row(
-        "MultiSteps",
+    *_rows_for(
+        ACCUMULATORS, "window_reduction", ("ternary", (1, 2), 3), r"WindowReduction"
+    ),
+    # More window statistics: named ones, not a sequence or one bare.
+    *_rows_for(
+        ACCUMULATORS,
         "statistics",
-        ("noise", (1, 2), ga.extend.WindowStatistic(*[lambda *a: None] * 5)),
-        r"`statistics` must be a sequence of WindowStatistic",
+        (
+            "noise",
+            (1, 2),
+            [STATISTIC],
+            STATISTIC,
+            {"": STATISTIC},
+            {3: STATISTIC},
+            {"norm": 3},
+        ),
+        r"`statistics` must be a mapping of names \(non-empty strings\) to "
+        r"WindowStatistic",
     ),
     # A window reduction needs per-device terms: without `unreduced_axes`
-    # there are none.
-    Row(
-        "MultiSteps",
+    # there are none (a ternary window too: each device's decoded window is
+    # what a reduction sums).
+    *_rows_for(
+        ACCUMULATORS,
         "window_reduction",
         (ga.ternary_window_reduction(seed=0),),
         r"needs `unreduced_axes`",
@@ -384,3 +399,20 @@ def test_accumulate_average_is_a_deprecated_alias_of_use_grad_mean():
     for g in (1.0, 2.0):
         updates, state = tx.update({"a": jnp.float32(g)}, state)
     assert float(updates["a"]) == -3.0  # the sum, not the mean
+
+
+@pytest.mark.parametrize(
+    "noise_scale",
+    [{"track_noise_scale": True}, {"every_k": ga.adaptive_every_k(1, 2, 8)}],
+    ids=["track_noise_scale", "adaptive_every_k"],
+)
+def test_a_statistic_named_as_the_noise_scale_it_keeps_is_rejected(noise_scale):
+    with pytest.raises(ValueError) as error:
+        ga.accumulate(
+            **{**VALID["accumulate"], **noise_scale},
+            statistics={"noise_scale": STATISTIC, "mine": STATISTIC},
+        )
+    assert str(error.value).startswith(
+        "`statistics` names 'noise_scale', the name of a statistic the "
+        "accumulator keeps itself"
+    )

@@ -134,13 +134,15 @@ def test_toy_statistic_on_whole_gradients(dtype, specs):
         params = jax.tree.map(lambda p: p.astype(dtype), _params())
         if specs is not None:
             params = jax.tree.map(reshard, params, specs)
-        opt = ga.MultiSteps(optax.sgd(1.0), K, statistics=[window_norm_statistic()])
+        opt = ga.MultiSteps(
+            optax.sgd(1.0), K, statistics={"window_norm": window_norm_statistic()}
+        )
         state = opt.init(params)
         step = jax.jit(opt.update)
         for x in batches:
             grads = jax.jit(jax.grad(_loss))(params, jnp.asarray(x, dtype))
             updates, state = step(grads, state, params)
-    (stat,) = state.statistics
+    stat = state.statistics["window_norm"]
     tolerance = 1e-5 if dtype == jnp.float32 else 5e-2
     np.testing.assert_allclose(float(stat.last_sq_norm), expected_sq, rtol=tolerance)
     assert float(stat.last_micro_batches) == K
@@ -177,7 +179,7 @@ def test_toy_reduction_and_statistic_with_per_device_terms(layout):
             K,
             unreduced_axes="data",
             window_reduction=bf16_wire_reduction(),
-            statistics=[window_norm_statistic()],
+            statistics={"window_norm": window_norm_statistic()},
         )
         grad_fn = ga.local_value_and_grad(_loss, "data")
         state = opt.init(params)
@@ -192,7 +194,7 @@ def test_toy_reduction_and_statistic_with_per_device_terms(layout):
             x = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
             updates, state = jax.block_until_ready(step(params, state, x))
     expected_updates, expected_sq = _expected(_params(), batches)
-    (stat,) = state.statistics
+    stat = state.statistics["window_norm"]
     np.testing.assert_allclose(float(stat.last_sq_norm), expected_sq, rtol=5e-2)
     assert float(stat.last_micro_batches) == K * devices
     assert int(state.reduction_state) == 1

@@ -511,8 +511,8 @@ def test_tracked_noise_scale_adds_four_scalars_to_the_one_fused_all_reduce(any_m
     # ... which the emission reduces with the window and its weight.
     assert [(op.operands, op.nbytes) for op in ops] == [(3 + 1 + 4, PARAM_BYTES + 20)]
     _, state = step(params, state, *args)
-    assert _holds_terms(state.noise.sq_norm_sum, any_mesh, ())
-    assert _holds_terms(state.noise.micro_batches, any_mesh, ())
+    assert _holds_terms(state.statistics["noise_scale"].sq_norm_sum, any_mesh, ())
+    assert _holds_terms(state.statistics["noise_scale"].micro_batches, any_mesh, ())
 
 
 @pytest.mark.parametrize("make", ["MultiSteps", "accumulate"])
@@ -531,7 +531,9 @@ def test_noise_scale_of_device_micro_batches_equals_one_device_fed_them_apart(
     for batches in windows:
         for batch in batches:
             _, state = step(params, state, *_place(batch))
-            assert _holds_terms(state.noise.sq_norm_sum, any_mesh, ())
+            assert _holds_terms(
+                state.statistics["noise_scale"].sq_norm_sum, any_mesh, ()
+            )
     stats = jax.jit(opt.stats)(state)
     _assert_same_noise_stats(stats, _one_device_noise_stats(params, windows))
 
@@ -560,12 +562,12 @@ def test_a_tracked_per_device_state_is_saved_through_reduce_window(any_mesh):
     saved = jax.device_get(jax.jit(opt.reduce_window)(state))
     # Mid-window: A and k of the second window's first micro-batch, summed.
     empty = sum(part.sum() == 0 for part in np.split(windows[1][0][2], N_DEVICES))
-    assert saved.noise.micro_batches == N_DEVICES - empty
-    assert saved.noise.sq_norm_sum.shape == ()
+    assert saved.statistics["noise_scale"].micro_batches == N_DEVICES - empty
+    assert saved.statistics["noise_scale"].sq_norm_sum.shape == ()
     restored = jax.device_put(saved, P())
     for batch in windows[1][1:]:
         _, restored = step(params, restored, *_place(batch))
-    assert _holds_terms(restored.noise.sq_norm_sum, any_mesh, ())
+    assert _holds_terms(restored.statistics["noise_scale"].sq_norm_sum, any_mesh, ())
     stats = jax.jit(opt.stats)(restored)
     _assert_same_noise_stats(stats, _one_device_noise_stats(params, windows))
 

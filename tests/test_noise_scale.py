@@ -114,7 +114,7 @@ def test_nan_where_undefined_never_a_division_by_zero():
     untracked = ga.MultiSteps(optax.sgd(0.0), 2)
     stats = untracked.stats(_window(untracked, [[1.0], [2.0]], [1, 1]))
     assert all(bool(jnp.isnan(v)) for v in stats[5:])
-    assert untracked.init({"w": jnp.zeros(1)}).noise == ()
+    assert untracked.init({"w": jnp.zeros(1)}).statistics == {}
     # A window of one micro-batch measures one batch size: no estimate.
     single = ga.MultiSteps(optax.sgd(0.0), 1, track_noise_scale=True)
     stats = single.stats(_window(single, [[1.0], [2.0], [5.0]], [1, 1, 1]))
@@ -123,7 +123,10 @@ def test_nan_where_undefined_never_a_division_by_zero():
     opt = ga.MultiSteps(optax.sgd(0.0), 3, track_noise_scale=True)
     state = _window(opt, [[1.0], [np.nan], [2.0]], [0.0, 0.0, 4.0])
     assert int(state.gradient_step) == 1
-    assert (float(state.noise.sq_norm_sum), float(state.noise.micro_batches)) == (
+    assert (
+        float(state.statistics["noise_scale"].sq_norm_sum),
+        float(state.statistics["noise_scale"].micro_batches),
+    ) == (
         0.0,
         0.0,
     )
@@ -146,10 +149,13 @@ def test_reset_drops_the_partial_windows_terms_and_keeps_the_estimate():
         optax.sgd(0.0), 2, track_noise_scale=True, noise_scale_decay=0.0, **ALL
     )
     state = _window(opt, [[3.0, 0.0], [3.0, 4.0], [100.0, 0.0]], [1.0] * 3)
-    assert float(state.noise.sq_norm_sum) == 10000.0
+    assert float(state.statistics["noise_scale"].sq_norm_sum) == 10000.0
     before = opt.stats(state)
     state = opt.reset(state)
-    assert (float(state.noise.sq_norm_sum), float(state.noise.micro_batches)) == (
+    assert (
+        float(state.statistics["noise_scale"].sq_norm_sum),
+        float(state.statistics["noise_scale"].micro_batches),
+    ) == (
         0.0,
         0.0,
     )
@@ -167,7 +173,7 @@ def test_ternary_accumulate_refuses_the_noise_scale():
             ga.ternary_accumulate(optax.sgd(0.0), **{"every_k": 4, **kwargs})
         assert f"`{next(iter(kwargs))}`" in str(error.value)
     untracked = ga.ternary_accumulate(optax.sgd(0.0), 4)
-    assert untracked.init({"w": jnp.zeros(4)}).noise == ()
+    assert untracked.init({"w": jnp.zeros(4)}).statistics == {}
 
 
 # --- linear regression: closed forms ---------------------------------------------
@@ -446,14 +452,22 @@ def test_sampled_records_w_j_g_j_squared_for_the_drawn_slot_only():
             state = step(grads[i], weights[i], state)
             if i < m - 1:  # the window is still open
                 np.testing.assert_allclose(
-                    state.noise.sq_norm_sum, sampled if i >= slot else 0.0, rtol=1e-6
+                    state.statistics["noise_scale"].sq_norm_sum,
+                    sampled if i >= slot else 0.0,
+                    rtol=1e-6,
                 )
-                assert float(state.noise.micro_batches) == np.count_nonzero(
-                    weights[: i + 1]
-                )
+                assert float(
+                    state.statistics["noise_scale"].micro_batches
+                ) == np.count_nonzero(weights[: i + 1])
                 filled = i >= slot
-                assert float(state.noise.measured_weight) == weights[slot] * filled
-                assert float(state.noise.measured_count) == (weights[slot] > 0) * filled
+                assert (
+                    float(state.statistics["noise_scale"].measured_weight)
+                    == weights[slot] * filled
+                )
+                assert (
+                    float(state.statistics["noise_scale"].measured_count)
+                    == (weights[slot] > 0) * filled
+                )
         stats = opt.stats(state)
         if weights[slot] > 0:
             grad_sq_norm, trace = _formula(grads, weights, slot)
@@ -504,7 +518,7 @@ def test_sampled_slots_are_filled_micro_batches(count_skipped):
         window[slot] = [0.0, 0.0]
         window_weights = [weights[i] if i < slot else weights[i - 1] for i in range(m)]
         window_weights[slot] = 0.0
-        assert float(state.noise.measured_count) == 0.0
+        assert float(state.statistics["noise_scale"].measured_count) == 0.0
         expected = (np.nan, np.nan)
     else:  # slot j is the next accepted micro-batch
         expected = _formula(accepted, weights, slot)
@@ -592,10 +606,10 @@ def test_sampled_bfloat16_gradients_are_measured_in_float32():
         _, state = opt.update({"w": g}, state, params, weight=w)
     slot = int(sampled_slot(0, m))
     as_float = [np.asarray(g, np.float64) for g in grads]
-    assert state.noise.sq_norm_sum.dtype == jnp.float32
+    assert state.statistics["noise_scale"].sq_norm_sum.dtype == jnp.float32
     if slot < m - 1:
         np.testing.assert_allclose(
-            state.noise.sq_norm_sum,
+            state.statistics["noise_scale"].sq_norm_sum,
             weights[slot] * np.sum(as_float[slot] ** 2),
             rtol=1e-6,
         )
@@ -715,7 +729,9 @@ def test_sampled_per_device_terms_are_the_drawn_micro_batchs(mesh_name, weighted
                 for name, (_, step, _) in runs.items():
                     states[name] = step(params, states[name], *placed)
                 if i < m - 1:  # open: the sampled A holds the drawn terms
-                    noise = runs["sampled"][2](states["sampled"]).noise
+                    noise = runs["sampled"][2](states["sampled"]).statistics[
+                        "noise_scale"
+                    ]
                     np.testing.assert_allclose(
                         float(noise.sq_norm_sum),
                         window_terms[slot][0] if i >= slot else 0.0,

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _checks
-from gradaccum_jax._accumulation._multisteps import MultiSteps
-from gradaccum_jax._accumulation._size_policy import Schedule
+from gradaccum_jax._accumulation._configuration import configure
+from gradaccum_jax._accumulation._multisteps import configured_transformation
 from gradaccum_jax._accumulation._skip import ShouldSkipUpdateFunction
 from gradaccum_jax._accumulation._transformation import AccumulationTransformation
-from gradaccum_jax._window_size import AdaptiveWindow
+from gradaccum_jax._reduction import WindowReduction
+from gradaccum_jax._statistic import WindowStatistic
+from gradaccum_jax._window._size import Schedule
 
 
 def accumulate(
@@ -27,9 +29,11 @@ def accumulate(
     count_skipped: bool = True,
     accumulator_dtype: Any = jnp.float32,
     unreduced_axes: str | Sequence[str] = (),
+    window_reduction: WindowReduction | None = None,
     track_noise_scale: bool = False,
     noise_scale_decay: float = 0.95,
     noise_scale_estimator: str = "sampled",
+    statistics: Mapping[str, WindowStatistic] | None = None,
     average: bool | None = None,
 ) -> AccumulationTransformation:
     """Accumulation as a transformation, for use inside `optax.chain`.
@@ -66,10 +70,14 @@ def accumulate(
         arrive unreduced, reduced once per window; checkpoint
         ``reduce_window(state)``, not the state (whose unreduced arrays
         orbax cannot save).
+      window_reduction: as in `MultiSteps`: how the window's per-device
+        terms are summed (``unreduced_axes`` only; None: one float32
+        all-reduce).
       track_noise_scale: as in `MultiSteps`: estimate the gradient noise
         scale (`stats`).
       noise_scale_decay: as in `MultiSteps`.
       noise_scale_estimator: as in `MultiSteps`: ``"sampled"`` or ``"all"``.
+      statistics: as in `MultiSteps`: more window statistics, by name.
       average: deprecated spelling of ``use_grad_mean``.
 
     Returns:
@@ -83,18 +91,20 @@ def accumulate(
             stacklevel=2,
         )
         use_grad_mean = _checks.boolean("average", average)
-    if not callable(every_k) and not isinstance(every_k, AdaptiveWindow):
-        _checks.window_size("every_k", every_k)
-    return MultiSteps(
+    config = configure(
         opt,
         every_k,
+        every_k_argument="every_k",
         use_grad_mean=use_grad_mean,
         should_skip_update_fn=should_skip_update_fn,
-        accumulator_dtype=accumulator_dtype,
         skip_nonfinite=skip_nonfinite,
         count_skipped=count_skipped,
+        accumulator_dtype=accumulator_dtype,
         unreduced_axes=unreduced_axes,
+        window_reduction=window_reduction,
         track_noise_scale=track_noise_scale,
         noise_scale_decay=noise_scale_decay,
         noise_scale_estimator=noise_scale_estimator,
-    ).gradient_transformation()
+        statistics=statistics,
+    )
+    return configured_transformation(config)

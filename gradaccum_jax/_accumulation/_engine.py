@@ -1,12 +1,12 @@
-"""The accumulation engine: a micro-step and an emission, composed of parts.
+"""The accumulation engine: a micro-step and an emission, composed of config.
 
-Each part owns its slice of the state and has one job (see `Parts`): the
-window's storage (a `WindowAccumulator`, seen through `SharedWindow` or
-`DecodedWindow`), where per-device terms live (a `TermsLayout`, decided
+Each part owns its slice of the state and has one job (see
+`Configuration`): the window's storage (a `WindowStore` holding a
+`WindowAccumulator`), where per-device terms live (a `TermsLayout`, decided
 once per trace), the window's cross-device reduction (a
-`WindowReduction`), the window statistics (`WindowStatistic`s, the noise
-scale among them), the inner optimizer's step (`_inner_step`) and the next
-window's size (`_size_policy`). A micro-step reads::
+`WindowReduction`), the window statistics (`WindowStatistic`s, by name),
+the inner optimizer's step (`_inner_step`) and the window's size (a
+`WindowSize` policy). A micro-step reads::
 
     accept -> add -> observe -> count -> emit_if(window is full)
 
@@ -14,10 +14,15 @@ and an emission, inside a zero-or-one-trip loop (`_control.run_if`)::
 
     reduce -> close statistics -> step the inner optimizer if weighted
     -> reset the window -> next window size
+
+The window as a whole, outside a micro-step, is `reset` (drop the partial
+window), `reduce` (its per-device terms summed, for a checkpoint) and
+`lift` (a reduced window made terms again).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,19 +32,15 @@ import optax
 
 from gradaccum_jax import _tree
 from gradaccum_jax._accumulation import _inner_step, _skip
-from gradaccum_jax._accumulation._parts import Parts
+from gradaccum_jax._accumulation._configuration import Configuration
 from gradaccum_jax._accumulation._state import MultiStepsState
-from gradaccum_jax._accumulation._window_ops import (
-    statistic_states,
-    with_statistic_states,
-)
 from gradaccum_jax._control import run_if
 from gradaccum_jax._partials import TermsLayout
-from gradaccum_jax._statistic import WindowPosition
+from gradaccum_jax._statistic import WindowPosition, map_window_terms
 
 
 def add_micro_batch(
-    parts: Parts,
+    config: Configuration,
     state: MultiStepsState,
     grads: Any,
     weight: jax.Array,
@@ -48,7 +49,7 @@ def add_micro_batch(
 ) -> tuple[MultiStepsState, jax.Array]:
     """Adds one micro-batch to the window: ``(state, whether the window is full)``."""
     accept, skip_state = _skip.accepts(
-        parts.should_skip_update_fn,
+        config.should_skip_update_fn,
         grads,
         state.gradient_step,
         params,
@@ -56,7 +57,7 @@ def add_micro_batch(
     )
     # A weight of zero adds nothing, not even the skipped NaNs.
     weight = jnp.where(accept, weight, 0.0)
-    accumulator = parts.store.accumulator
+    accumulator = config.store.accumulator
     # The window is reset lazily, by its first micro-batch: after an
     # emission its buffers may hold the emitted updates (`UpdateSlots`).
     # The select fuses into the accumulation pass.
@@ -66,18 +67,16 @@ def add_micro_batch(
         state.acc_grads,
     )
     acc = accumulator.add(acc, grads, weight)
-    fills_slot = jnp.asarray(True) if parts.count_skipped else accept
-    window_size = parts.window_size.current(state.window_size, state.gradient_step)
+    fills_slot = jnp.asarray(True) if config.count_skipped else accept
+    window_size = config.window_size.current(state.window_size, state.gradient_step)
     position = WindowPosition(
         state.mini_step, fills_slot, window_size, state.gradient_step
     )
     # No dependency on the add: a compiler may fuse both reads of the grads.
-    stat_states = [
-        stat.observe(stat_state, grads, weight, position, layout)
-        for stat, stat_state in zip(
-            parts.statistics, statistic_states(parts, state), strict=True
-        )
-    ]
+    stat_states = {
+        name: stat.observe(state.statistics[name], grads, weight, position, layout)
+        for name, stat in config.statistics.items()
+    }
     mini_step = state.mini_step + fills_slot.astype(jnp.int32)
     state = state._replace(
         mini_step=mini_step,
@@ -87,10 +86,11 @@ def add_micro_batch(
         micro_steps=jnp.where(
             accept, optax.safe_increment(state.micro_steps), state.micro_steps
         ),
+        statistics=stat_states,
     )
     # `>=` rather than `==`: a schedule may shrink k mid-window.
     full = jnp.logical_and(fills_slot, mini_step >= window_size)
-    return with_statistic_states(parts, state, stat_states), full
+    return state, full
 
 
 class WindowCarry(NamedTuple):
@@ -104,7 +104,7 @@ class WindowCarry(NamedTuple):
       inner_state: the inner optimizer's state.
       reduction_state: the window reduction's state.
       stepped: whether the inner optimizer stepped (False on entry).
-      stats: each statistic's state, in ``parts.statistics`` order.
+      stats: each statistic's state, by name.
     """
 
     updates: list[Any]
@@ -113,13 +113,13 @@ class WindowCarry(NamedTuple):
     inner_state: Any
     reduction_state: Any
     stepped: jax.Array
-    stats: list[Any]
+    stats: dict[str, Any]
 
 
 class _Emission(NamedTuple):
     """What an emission needs besides its carry, fixed at trace time."""
 
-    parts: Parts
+    config: Configuration
     layout: TermsLayout
     slots: _inner_step.UpdateSlots
     inner_update: Callable[..., Any]
@@ -127,7 +127,7 @@ class _Emission(NamedTuple):
 
 
 def emit_if(
-    parts: Parts,
+    config: Configuration,
     emit: jax.Array,
     state: MultiStepsState,
     grads_like: Any,
@@ -149,7 +149,7 @@ def emit_if(
     and work on a closed-over value (a collective, a ternary decode) would
     then run on every micro-step instead of once per window.
     """
-    emission = _plan(parts, state, grads_like, params, extra_args, layout)
+    emission = _plan(config, state, grads_like, params, extra_args, layout)
     slots = emission.slots
     closed = run_if(
         emit,
@@ -161,7 +161,7 @@ def emit_if(
             inner_state=state.inner_opt_state,
             reduction_state=state.reduction_state,
             stepped=jnp.zeros([], jnp.bool_),
-            stats=statistic_states(parts, state),
+            stats=state.statistics,
         ),
     )
     new_updates = slots.updates_tree(
@@ -177,9 +177,9 @@ def emit_if(
         acc_weight=closed.window_weight,
         emitted=jnp.logical_and(emit, closed.stepped),
         reduction_state=closed.reduction_state,
+        statistics=closed.stats,
     )
-    new_state = with_statistic_states(parts, new_state, closed.stats)
-    next_size = parts.window_size.next(state.window_size, new_state.noise)
+    next_size = config.window_size.next(state.window_size, closed.stats)
     return new_updates, new_state._replace(
         window_size=jax.tree.map(
             lambda new, old: jnp.where(emit, new, old), next_size, state.window_size
@@ -187,77 +187,104 @@ def emit_if(
     )
 
 
-def _plan(parts, state, grads_like, params, extra_args, layout) -> _Emission:
+def flush(
+    config: Configuration,
+    state: MultiStepsState,
+    params: Any,
+    extra_args: dict[str, Any],
+) -> tuple[Any, MultiStepsState]:
+    """Closes the partial window now (`MultiSteps.flush`), if it holds any
+    micro-batch; its gradient in the params' dtypes, if given."""
+    layout = config.layout()
+    state = lift(config, state, layout, params)
+    # Only the dtypes are read: the zeros are dead.
+    grads_like = optax.tree.zeros_like(
+        jax.eval_shape(config.store.accumulator.total, state.acc_grads)
+    )
+    if params is not None:
+        grads_like = optax.tree.cast_like(grads_like, params)
+    return emit_if(
+        config, state.mini_step > 0, state, grads_like, params, extra_args, layout
+    )
+
+
+def _plan(config, state, grads_like, params, extra_args, layout) -> _Emission:
     """The inner update and its slots, from shapes only (at trace time)."""
 
     def inner_update(window_sum, weight, inner_state, pass_weight=True):
         grads = _inner_step.window_gradient(
-            window_sum, weight, grads_like, parts.use_grad_mean
+            window_sum, weight, grads_like, config.use_grad_mean
         )
         weight_arg = {"weight": weight} if pass_weight else {}
-        updates, new_inner_state = parts.opt.update(
+        updates, new_inner_state = config.opt.update(
             grads, inner_state, params, **weight_arg, **extra_args
         )
         return updates, _inner_step.keep_dtypes(new_inner_state, inner_state)
 
     # The inner optimizer sees the reduced window (per-device terms summed).
     window_sum, weight = jax.eval_shape(
-        lambda acc, weight: layout.reduce((parts.store.accumulator.total(acc), weight)),
+        lambda acc, weight: layout.reduce(
+            (config.store.accumulator.total(acc), weight)
+        ),
         state.acc_grads,
         state.acc_weight,
     )
     inner_update, updates_shape = _inner_step.with_weight_if_accepted(
         inner_update, window_sum, weight, state.inner_opt_state
     )
-    parts.window_size.check_inner_update(
+    config.window_size.check_inner_update(
         inner_update, window_sum, weight, state.inner_opt_state
     )
     slots = _inner_step.UpdateSlots(state.acc_grads, updates_shape)
     position = WindowPosition(
         state.mini_step,
         jnp.asarray(False),
-        parts.window_size.current(state.window_size, state.gradient_step),
+        config.window_size.current(state.window_size, state.gradient_step),
         state.gradient_step,
     )
-    return _Emission(parts, layout, slots, inner_update, position)
+    return _Emission(config, layout, slots, inner_update, position)
 
 
 def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
     """The emitting trip: reduce, close the statistics, step, reset."""
-    parts, layout, slots = emission.parts, emission.layout, emission.slots
+    config, layout, slots = emission.config, emission.layout, emission.slots
     updates, rest, window_weight = carry.updates, carry.rest, carry.window_weight
-    reset_rest = slots.rest(parts.store.accumulator.reset(slots.window(updates, rest)))
+    whole = functools.partial(slots.window, updates)
+    reset_rest = slots.rest(config.store.accumulator.reset(whole(rest)))
     # The window's only cross-device traffic with `unreduced_axes`: its
     # per-device sums, its weight and the statistics' window terms, in one
     # reduction (by default one fused float all-reduce). Its leaves never
     # hold updates (`UpdateSlots`), so the reduced copy aliases no update.
-    stat_terms = [
-        stat.window_terms(s)
-        for stat, s in zip(parts.statistics, carry.stats, strict=True)
-    ]
+    stat_terms = {
+        name: stat.window_terms(carry.stats[name])
+        for name, stat in config.statistics.items()
+    }
     (reduced, weight, stat_sums), reduction_state, sum_sq_excess = (
-        parts.reduction.reduce_window(
-            (
-                parts.store.reduction_terms(slots, updates, rest),
-                window_weight,
-                stat_terms,
-            ),
+        config.reduction.reduce_window(
+            (config.store.reduction_terms(whole, rest), window_weight, stat_terms),
             layout,
             carry.reduction_state,
         )
     )
-    window_sum = parts.store.window_sum(slots, updates, reduced)
+    window_sum = config.store.window_sum(whole, reduced)
     position = emission.position._replace(sum_sq_excess=sum_sq_excess)
-    closed = [
-        stat.close(stat.with_window_terms(s, sums), window_sum, weight, position)
-        for stat, s, sums in zip(parts.statistics, carry.stats, stat_sums, strict=True)
-    ]
+    closed = {
+        name: stat.close(
+            stat.with_window_terms(carry.stats[name], stat_sums[name]),
+            window_sum,
+            weight,
+            position,
+        )
+        for name, stat in config.statistics.items()
+    }
     weight = _inner_step.ordered_after(weight, closed)
     # The next window's terms: zeros, in the carry's form (per-device terms).
-    stats = [
-        stat.with_window_terms(s, jax.tree.map(_tree.zeros_like, terms))
-        for stat, s, terms in zip(parts.statistics, closed, stat_terms, strict=True)
-    ]
+    stats = {
+        name: stat.with_window_terms(
+            closed[name], jax.tree.map(_tree.zeros_like, stat_terms[name])
+        )
+        for name, stat in config.statistics.items()
+    }
     updates, inner_state, stepped = _step_if_weighted(
         emission, updates, reduced, weight, carry.inner_state
     )
@@ -286,7 +313,8 @@ def _step_if_weighted(emission: _Emission, updates, reduced, weight, inner_state
 
     def step(carry):
         updates, reduced, weight, inner_state = carry
-        window_sum = emission.parts.store.window_sum(emission.slots, updates, reduced)
+        whole = functools.partial(emission.slots.window, updates)
+        window_sum = emission.config.store.window_sum(whole, reduced)
         new_updates, inner_state = emission.inner_update(
             window_sum, weight, inner_state
         )
@@ -298,3 +326,62 @@ def _step_if_weighted(emission: _Emission, updates, reduced, weight, inner_state
     # Not stepped, the slots still hold the (zero-weight) window.
     updates = [jnp.where(stepped, u, jnp.zeros((), u.dtype)) for u in updates]
     return updates, inner_state, stepped
+
+
+def reset(config: Configuration, state: MultiStepsState) -> MultiStepsState:
+    """``state`` with the partial window dropped; the inner state is kept."""
+    return state._replace(
+        mini_step=jnp.zeros_like(state.mini_step),
+        acc_grads=config.store.accumulator.reset(state.acc_grads),
+        acc_weight=_tree.zeros_like(state.acc_weight),
+        emitted=jnp.zeros_like(state.emitted),
+        statistics=map_window_terms(
+            config.statistics,
+            state.statistics,
+            lambda terms: jax.tree.map(_tree.zeros_like, terms),
+        ),
+    )
+
+
+def reduce(
+    config: Configuration, state: MultiStepsState, layout: TermsLayout
+) -> MultiStepsState:
+    """``state`` with its window's per-device terms summed (for a checkpoint)."""
+    if not layout.holds_terms(state.acc_weight, jnp.zeros([])):
+        return state
+    return _map_window(config, state, layout.reduce, config.store.reduce, layout)
+
+
+def lift(
+    config: Configuration, state: MultiStepsState, layout: TermsLayout, like: Any = None
+) -> MultiStepsState:
+    """A reduced window (see `reduce`) made per-device terms again, its
+    leaves placed like ``like`` (the gradients or params), if given."""
+    if not layout.axes or layout.holds_terms(state.acc_weight, jnp.zeros([])):
+        return state
+
+    def lift_window(acc, layout):
+        return config.store.lift(acc, layout, like)
+
+    return _map_window(
+        config,
+        state,
+        lambda tree: jax.tree.map(layout.lift, tree),
+        lift_window,
+        layout,
+    )
+
+
+def _map_window(
+    config: Configuration,
+    state: MultiStepsState,
+    terms_fn: Callable[[Any], Any],
+    window_fn: Callable[[Any, TermsLayout], Any],
+    layout: TermsLayout,
+) -> MultiStepsState:
+    """``terms_fn`` on the weight and window terms, ``window_fn`` on the window."""
+    return state._replace(
+        acc_grads=window_fn(state.acc_grads, layout),
+        acc_weight=terms_fn(state.acc_weight),
+        statistics=map_window_terms(config.statistics, state.statistics, terms_fn),
+    )

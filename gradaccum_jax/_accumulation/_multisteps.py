@@ -1,31 +1,35 @@
 """`MultiSteps`: configuration of the accumulation engine, and delegation to it.
 
 `MultiSteps` is a drop-in replacement for `optax.MultiSteps` with the same
-constructor, state field names, methods, results and dtypes. It validates
-its arguments, builds the engine's parts (`_engine.Parts`) and calls the
-engine; the algorithm itself reads in `_engine`.
+constructor, state field names, methods, results and dtypes. It holds the
+engine's `Configuration` (built by `_configuration.configure` from its
+arguments) and calls the engine; the algorithm itself reads in `_engine`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax import _checks, _noise_scale, _placement, _reduction
-from gradaccum_jax._accumulation import _engine, _skip, _window_ops
-from gradaccum_jax._accumulation._configure import check_state, engine_parts
-from gradaccum_jax._accumulation._size_policy import Schedule
+from gradaccum_jax import _checks, _placement, _reduction
+from gradaccum_jax._accumulation import _engine
+from gradaccum_jax._accumulation._configuration import Configuration, configure
 from gradaccum_jax._accumulation._skip import ShouldSkipUpdateFunction
-from gradaccum_jax._accumulation._state import AccumulationStats, MultiStepsState
+from gradaccum_jax._accumulation._state import (
+    AccumulationStats,
+    MultiStepsState,
+    check_state,
+    initial_state,
+    stats_of,
+)
 from gradaccum_jax._accumulation._transformation import AccumulationTransformation
 from gradaccum_jax._statistic import WindowStatistic
-from gradaccum_jax._window import (
-    WindowAccumulator,
-)
+from gradaccum_jax._window._accumulator import WindowAccumulator
+from gradaccum_jax._window._size import Schedule
 
 
 class MultiSteps:
@@ -94,7 +98,7 @@ class MultiSteps:
         track_noise_scale: bool = False,
         noise_scale_decay: float = 0.95,
         noise_scale_estimator: str = "sampled",
-        statistics: Sequence[WindowStatistic] = (),
+        statistics: Mapping[str, WindowStatistic] | None = None,
     ):
         """Builds the wrapper.
 
@@ -138,11 +142,12 @@ class MultiSteps:
           noise_scale_estimator: ``"sampled"`` (default): one micro-batch's
             squared norm per window, drawn uniformly, times the window's size
             (unbiased, cheaper, noisier); ``"all"``: every micro-batch's.
-          statistics: more `gradaccum_jax.extend.WindowStatistic` s of the
-            windows (see ``docs/architecture.md``, "Write your own part");
-            their states are kept in ``MultiStepsState.statistics``.
+          statistics: more window statistics, by name
+            (``{name: gradaccum_jax.extend.WindowStatistic}``, see
+            ``docs/architecture.md``, "Write your own part"); each one's
+            state is kept in ``MultiStepsState.statistics[name]``.
         """
-        self._parts = engine_parts(
+        self._config = configure(
             opt,
             every_k_schedule,
             use_grad_mean=use_grad_mean,
@@ -162,26 +167,11 @@ class MultiSteps:
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
         """The wrapped optimizer (with extra-argument support)."""
-        return self._parts.opt
+        return self._config.opt
 
     def init(self, params: optax.Params) -> MultiStepsState:
         """Returns the state of an empty first window."""
-        parts, layout = self._parts, self._parts.layout()
-        state = MultiStepsState(
-            mini_step=jnp.zeros([], jnp.int32),
-            gradient_step=jnp.zeros([], jnp.int32),
-            inner_opt_state=parts.opt.init(params),
-            acc_grads=parts.store.accumulator.init(params),
-            skip_state=_skip.initial_skip_state(parts.should_skip_update_fn, params),
-            acc_weight=layout.zeros(jnp.zeros([], jnp.float32)),
-            micro_steps=jnp.zeros([], jnp.int32),
-            emitted=jnp.zeros([], jnp.bool_),
-            reduction_state=parts.reduction.init(params),
-            window_size=parts.window_size.initial(),
-        )
-        return _window_ops.with_statistic_states(
-            parts, state, [stat.init(params, layout) for stat in parts.statistics]
-        )
+        return initial_state(self._config, params)
 
     def update(
         self,
@@ -210,15 +200,15 @@ class MultiSteps:
         """
         check_state(state, "update")
         _checks.floating_leaves(updates, "gradients")
-        layout = self._parts.layout()
+        layout = self._config.layout()
         _checks.gradients_as_terms(updates, params, layout)
         weight = layout.as_weight(weight, "MultiSteps.update")
-        state = _window_ops.lift(self._parts, state, layout, updates)
+        state = _engine.lift(self._config, state, layout, updates)
         state, full = _engine.add_micro_batch(
-            self._parts, state, updates, weight, params, layout
+            self._config, state, updates, weight, params, layout
         )
         return _engine.emit_if(
-            self._parts, full, state, updates, params, extra_args, layout, updates
+            self._config, full, state, updates, params, extra_args, layout, updates
         )
 
     def flush(
@@ -242,28 +232,12 @@ class MultiSteps:
           ``(updates, state)`` with a fresh window in ``state``.
         """
         check_state(state, "flush")
-        layout = self._parts.layout()
-        state = _window_ops.lift(self._parts, state, layout, params)
-        # Only the dtypes are read: the zeros are dead.
-        grads_like = optax.tree.zeros_like(
-            jax.eval_shape(self._parts.store.accumulator.total, state.acc_grads)
-        )
-        if params is not None:
-            grads_like = optax.tree.cast_like(grads_like, params)
-        return _engine.emit_if(
-            self._parts,
-            state.mini_step > 0,
-            state,
-            grads_like,
-            params,
-            extra_args,
-            layout,
-        )
+        return _engine.flush(self._config, state, params, extra_args)
 
     def reset(self, state: MultiStepsState) -> MultiStepsState:
         """Drops the partial window; the inner optimizer state is kept."""
         check_state(state, "reset")
-        return _window_ops.reset(self._parts, state)
+        return _engine.reset(self._config, state)
 
     def stats(self, state: MultiStepsState) -> AccumulationStats:
         """Micro-batches seen, updates emitted, the window, the noise scale.
@@ -275,26 +249,14 @@ class MultiSteps:
         ``weight`` (examples, or micro-batches without weights); NaN until
         a window of two or more weighted micro-batches closes, or when not
         tracked. The noise-scale guide has the formulas and their caveats.
+        (They are what the window statistics report,
+        `gradaccum_jax.extend.WindowStatistic.report`: a statistic of your
+        own may fill them instead.)
         Works on a state of per-device terms inside or outside
         ``jax.set_mesh`` (the weight is summed on its arrays' mesh).
         """
         check_state(state, "stats")
-        noise = _noise_scale.estimate(getattr(state, "noise", ()))
-        with _placement.on_mesh_of(state.acc_weight):
-            window_weight = self._parts.layout().total(state.acc_weight, jnp.zeros([]))
-        window_size = self._parts.window_size.current(
-            state.window_size, state.gradient_step
-        )
-        return AccumulationStats(
-            micro_steps=state.micro_steps,
-            gradient_steps=state.gradient_step,
-            window_fill=state.mini_step,
-            window_size=jnp.asarray(window_size, jnp.int32),
-            window_weight=window_weight,
-            grad_sq_norm=noise.grad_sq_norm,
-            noise_trace=noise.noise_trace,
-            noise_scale=noise.noise_scale,
-        )
+        return stats_of(self._config, state)
 
     def has_updated(self, state: MultiStepsState | optax.OptState) -> jax.Array:
         """Whether the call that produced ``state`` emitted an update."""
@@ -322,4 +284,12 @@ class MultiSteps:
         ``unreduced_axes``: ``state`` as is.
         """
         with _placement.on_mesh_of(state.acc_weight):
-            return _window_ops.reduce(self._parts, state, self._parts.layout())
+            return _engine.reduce(self._config, state, self._config.layout())
+
+
+def configured_transformation(config: Configuration) -> AccumulationTransformation:
+    """The engine of ``config`` (built by `configure`) as a transformation:
+    what `accumulate` and `ternary_accumulate` return."""
+    multi_steps = MultiSteps.__new__(MultiSteps)
+    multi_steps._config = config
+    return multi_steps.gradient_transformation()

@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from gradaccum_jax import _placement
+from gradaccum_jax._accumulation import _skip
+from gradaccum_jax._accumulation._configuration import Configuration
+from gradaccum_jax._statistic import reports
 
 
 class MultiStepsState(NamedTuple):
@@ -29,13 +36,14 @@ class MultiStepsState(NamedTuple):
       reduction_state: the ``window_reduction``'s state (``()`` for the
         default float all-reduce; the PRNG counter of
         `gradaccum_jax.ternary_window_reduction`).
-      noise: the gradient noise scale's
-        `gradaccum_jax.extend.NoiseScaleState` with
-        ``track_noise_scale=True``, else ``()``.
       window_size: the current window's size with an `adaptive_every_k`
         schedule (int32), else ``()``.
-      statistics: the states of the ``statistics=`` passed to the
-        accumulator (`gradaccum_jax.extend.WindowStatistic`), in their order.
+      statistics: each window statistic's state, by the statistic's name (a
+        dict): the ``statistics=`` passed to the accumulator
+        (`gradaccum_jax.extend.WindowStatistic`) and, with
+        ``track_noise_scale=True`` or an `adaptive_every_k` window, the
+        noise scale's `gradaccum_jax.extend.NoiseScaleState` under
+        ``"noise_scale"``; ``{}`` without statistics.
     """
 
     mini_step: Any
@@ -47,9 +55,8 @@ class MultiStepsState(NamedTuple):
     micro_steps: Any = np.zeros((), np.int32)
     emitted: Any = np.zeros((), np.bool_)
     reduction_state: Any = ()
-    noise: Any = ()
     window_size: Any = ()
-    statistics: Any = ()
+    statistics: Any = {}  # noqa: RUF012 (a pytree field, never mutated)
 
 
 class AccumulationStats(NamedTuple):
@@ -79,3 +86,63 @@ class AccumulationStats(NamedTuple):
     grad_sq_norm: jax.Array
     noise_trace: jax.Array
     noise_scale: jax.Array
+
+
+# The fields of `AccumulationStats` that window statistics report
+# (`WindowStatistic.report`), NaN where none does.
+REPORTED = AccumulationStats._fields[5:]
+
+
+def initial_state(config: Configuration, params: optax.Params) -> MultiStepsState:
+    """The state of an empty first window: each part's initial state."""
+    layout = config.layout()
+    return MultiStepsState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        inner_opt_state=config.opt.init(params),
+        acc_grads=config.store.accumulator.init(params),
+        skip_state=_skip.initial_skip_state(config.should_skip_update_fn, params),
+        acc_weight=layout.zeros(jnp.zeros([], jnp.float32)),
+        micro_steps=jnp.zeros([], jnp.int32),
+        emitted=jnp.zeros([], jnp.bool_),
+        reduction_state=config.reduction.init(params),
+        window_size=config.window_size.initial(),
+        statistics={
+            name: stat.init(params, layout) for name, stat in config.statistics.items()
+        },
+    )
+
+
+def stats_of(config: Configuration, state: MultiStepsState) -> AccumulationStats:
+    """`MultiSteps.stats`: the window's progress and what the statistics
+    report (`WindowStatistic.report`), NaN for a field none reports."""
+    with _placement.on_mesh_of(state.acc_weight):
+        window_weight = config.layout().total(state.acc_weight, jnp.zeros([]))
+    window_size = config.window_size.current(state.window_size, state.gradient_step)
+    reported = reports(config.statistics, state.statistics)
+    unknown = sorted(set(reported) - set(REPORTED))
+    if unknown:
+        raise ValueError(
+            f"A window statistic reports {unknown[0]!r}, which is not a field "
+            f"of AccumulationStats: a statistic reports some of {REPORTED} "
+            "(read anything else from MultiStepsState.statistics)."
+        )
+    nan = jnp.full([], jnp.nan, jnp.float32)
+    return AccumulationStats(
+        micro_steps=state.micro_steps,
+        gradient_steps=state.gradient_step,
+        window_fill=state.mini_step,
+        window_size=jnp.asarray(window_size, jnp.int32),
+        window_weight=window_weight,
+        **{field: reported.get(field, nan) for field in REPORTED},
+    )
+
+
+def check_state(state: Any, method: str) -> None:
+    """Raises unless ``state`` looks like a `MultiStepsState`."""
+    if not all(hasattr(state, field) for field in ("mini_step", "acc_grads")):
+        raise ValueError(
+            f"MultiSteps.{method}: `state` must be the MultiStepsState returned "
+            "by `init(params)` (or by the previous update), got "
+            f"{type(state).__name__}. Call `init` first and pass its result."
+        )

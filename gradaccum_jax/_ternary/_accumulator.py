@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -12,9 +12,12 @@ import optax
 from gradaccum_jax import _checks, _tree
 from gradaccum_jax._accumulation import (
     AccumulationTransformation,
-    MultiSteps,
     ShouldSkipUpdateFunction,
 )
+from gradaccum_jax._accumulation._configuration import configure
+from gradaccum_jax._accumulation._multisteps import configured_transformation
+from gradaccum_jax._reduction import WindowReduction
+from gradaccum_jax._statistic import WindowStatistic
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._leaves import (
     DEFAULT_MIN_SIZE,
@@ -29,8 +32,8 @@ from gradaccum_jax._ternary._quantize import (
     scale_and_bound,
     ternary_dequantize,
 )
-from gradaccum_jax._window import WindowAccumulator
-from gradaccum_jax._window_size import AdaptiveWindow
+from gradaccum_jax._window._accumulator import WindowAccumulator
+from gradaccum_jax._window._size import AdaptiveWindow
 
 # Largest every_k each code-sum dtype can hold: a window adds at most one
 # code in {-1, 0, 1} per micro-step, so |sum| <= every_k.
@@ -269,6 +272,8 @@ def ternary_accumulate(
     noise_scale_decay: float = 0.95,
     noise_scale_estimator: str = "sampled",
     unreduced_axes: str | Sequence[str] = (),
+    window_reduction: WindowReduction | None = None,
+    statistics: Mapping[str, WindowStatistic] | None = None,
 ) -> AccumulationTransformation:
     """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
 
@@ -322,6 +327,14 @@ def ternary_accumulate(
         ternary window, reduced once per window in float32. Checkpoint
         ``reduce_window(state)``, not the state (whose unreduced window
         weight orbax cannot save).
+      window_reduction: as in `MultiSteps`, with ``unreduced_axes`` only:
+        how each device's decoded window (its float term of the window's
+        sum) is summed over the devices; None: one float32 all-reduce,
+        `gradaccum_jax.ternary_window_reduction` puts codes on the wire
+        too (a second rounding, still unbiased).
+      statistics: as in `MultiSteps`: more window statistics, by name;
+        their ``close`` sees the decoded window, which holds the codes'
+        rounding.
 
     Returns:
       An `AccumulationTransformation` (``init``, ``update``, ``flush``,
@@ -334,19 +347,23 @@ def ternary_accumulate(
     accumulator = _ternary_window_accumulator(
         seed, clip_sigma, min_size, code_sum_dtype
     )
-    return MultiSteps(
+    config = configure(
         opt,
         every_k,
+        every_k_argument="every_k",
         use_grad_mean=use_grad_mean,
         should_skip_update_fn=should_skip_update_fn,
         skip_nonfinite=skip_nonfinite,
         count_skipped=count_skipped,
         window_accumulator=accumulator,
         unreduced_axes=unreduced_axes,
+        window_reduction=window_reduction,
         track_noise_scale=track_noise_scale,
         noise_scale_decay=noise_scale_decay,
         noise_scale_estimator=noise_scale_estimator,
-    ).gradient_transformation()
+        statistics=statistics,
+    )
+    return configured_transformation(config)
 
 
 def _no_noise_scale(every_k: Any, track_noise_scale: Any) -> None:
