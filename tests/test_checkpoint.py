@@ -127,6 +127,17 @@ CASES: dict[str, Case] = {
         _nan_free_grads,
         weighted=False,
     ),
+    # The statistics' states by name (the noise scale's NoiseScaleState) and
+    # the adaptive window's size.
+    "multisteps_noise_scale_adaptive": Case(
+        lambda: ga.MultiSteps(
+            optax.adam(1e-2),
+            ga.adaptive_every_k(1, k_min=2, k_max=4),
+            track_noise_scale=True,
+            noise_scale_estimator="all",
+        ),
+        _nan_free_grads,
+    ),
     "chain_clip_accumulate": Case(
         lambda: optax.chain(
             ga.clip_by_global_norm(5.0), ga.accumulate(optax.adam(1e-2), 3)

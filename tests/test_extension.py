@@ -212,3 +212,118 @@ def test_toy_reduction_and_statistic_with_per_device_terms(layout):
     # Updates keep the params' sharding (tensor-parallel stays split).
     for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
         assert jax.typeof(u).sharding.spec == jax.typeof(p).sharding.spec
+
+
+# --- a statistic's report, and the other accumulators ----------------------
+
+
+def reported_norm_statistic(field: str = "grad_sq_norm") -> ga.extend.WindowStatistic:
+    """The toy statistic, reporting its last window's squared norm as ``field``."""
+    toy = window_norm_statistic()
+    return toy._replace(report=lambda state: {field: state.last_sq_norm})
+
+
+def test_a_statistic_of_your_own_reports_through_stats():
+    opt = ga.MultiSteps(
+        optax.sgd(1.0),
+        2,
+        statistics={
+            "norm": reported_norm_statistic(),
+            "count": window_norm_statistic(),
+        },
+    )
+    state = opt.init({"w": jnp.zeros(2)})
+    for g in ([1.0, 2.0], [3.0, 2.0]):
+        _, state = opt.update({"w": jnp.asarray(g)}, state)
+    stats = opt.stats(state)
+    assert float(stats.grad_sq_norm) == 2.0**2 + 2.0**2  # |mean|^2
+    assert bool(jnp.isnan(stats.noise_trace)) and bool(jnp.isnan(stats.noise_scale))
+    assert set(state.statistics) == {"norm", "count"}
+
+
+@pytest.mark.parametrize(
+    ("track_noise_scale", "statistics", "message"),
+    [
+        (
+            False,
+            {"mine": reported_norm_statistic("loss")},
+            r"reports 'loss', which is not a field of AccumulationStats",
+        ),
+        (
+            False,
+            {"a": reported_norm_statistic(), "b": reported_norm_statistic()},
+            r"The statistics 'a' and 'b' both report 'grad_sq_norm'",
+        ),
+        # The noise scale that track_noise_scale keeps reports it too.
+        (
+            True,
+            {"mine": reported_norm_statistic("noise_scale")},
+            r"The statistics 'noise_scale' and 'mine' both report 'noise_scale'",
+        ),
+    ],
+    ids=["unknown-field", "two-statistics", "with-the-noise-scale"],
+)
+def test_a_report_stats_cannot_show_is_refused_naming_it(
+    track_noise_scale, statistics, message
+):
+    opt = ga.MultiSteps(
+        optax.sgd(1.0), 2, track_noise_scale=track_noise_scale, statistics=statistics
+    )
+    with pytest.raises(ValueError, match=message):
+        opt.stats(opt.init({"w": jnp.zeros(2)}))
+
+
+def test_accumulate_and_ternary_accumulate_take_statistics_and_a_window_reduction():
+    """The keywords of MultiSteps, with per-device terms on a 1-D mesh: the
+    statistic counts every device's micro-batches, the reduction runs once
+    per window; a ternary window's decoded terms go through it too."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    batches = _batches(K)
+    expected_updates, expected_sq = _expected(_params(), batches)
+    shared = {
+        "unreduced_axes": "data",
+        "window_reduction": bf16_wire_reduction(),
+        "statistics": {"window_norm": window_norm_statistic()},
+    }
+    txs = {
+        "accumulate": ga.accumulate(optax.sgd(1.0), K, **shared),
+        "ternary_accumulate": ga.ternary_accumulate(
+            optax.sgd(1.0), K, clip_sigma=None, min_size=1, **shared
+        ),
+    }
+    grad_fn = ga.local_value_and_grad(_loss, "data")
+    with jax.set_mesh(mesh):
+        params = _params()
+        for name, tx in txs.items():
+            state = tx.init(params)
+
+            @jax.jit
+            def step(params, state, x, tx=tx):
+                _, grads = grad_fn(params, x)
+                return tx.update(grads, state, params)
+
+            for x in batches:
+                x = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
+                updates, state = jax.block_until_ready(step(params, state, x))
+            stat = state.statistics["window_norm"]
+            assert float(stat.last_micro_batches) == K * 8, name
+            assert int(state.reduction_state) == 1, name
+            if name == "accumulate":
+                np.testing.assert_allclose(
+                    float(stat.last_sq_norm), expected_sq, rtol=5e-2
+                )
+                for u, e in zip(
+                    jax.tree.leaves(jax.device_get(updates)),
+                    jax.tree.leaves(expected_updates),
+                    strict=True,
+                ):
+                    np.testing.assert_allclose(u, e, rtol=2e-2, atol=1e-4)
+            else:  # unbiased codes: the window's mean, with rounding noise
+                for u, e in zip(
+                    jax.tree.leaves(jax.device_get(updates)),
+                    jax.tree.leaves(expected_updates),
+                    strict=True,
+                ):
+                    assert abs(float(np.mean(u)) - float(np.mean(e))) < 0.1 * float(
+                        np.max(np.abs(e))
+                    )

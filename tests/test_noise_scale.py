@@ -109,6 +109,41 @@ def test_moving_average_is_bias_corrected_and_b_is_a_ratio_of_averages():
     np.testing.assert_allclose(stats.noise_scale, t_avg / g_avg, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"track_noise_scale": True},
+        {"every_k_schedule": ga.adaptive_every_k(1, 2, 8)},
+        {"every_k_schedule": ga.adaptive_every_k(1, 2, 8), "track_noise_scale": True},
+    ],
+    ids=["tracked", "adaptive", "both"],
+)
+def test_the_noise_scale_is_one_statistic_kept_under_its_name(kwargs):
+    """One noise scale, whichever asks for it, kept in ``statistics`` next
+    to a statistic of the user's."""
+    mine = ga.extend.WindowStatistic(
+        init=lambda params, layout: jnp.zeros([], jnp.int32),
+        observe=lambda state, grads, weight, position, layout: state + 1,
+        window_terms=lambda state: (),
+        with_window_terms=lambda state, terms: state,
+        close=lambda state, window_sum, weight, position: state,
+    )
+    opt = ga.MultiSteps(
+        optax.sgd(0.0),
+        **{"every_k_schedule": 2, **kwargs},
+        statistics={"micro_batches": mine},
+        **ALL,
+    )
+    state = _window(opt, [[1.0, 0.0], [3.0, 4.0]], [1.0, 1.0])
+    assert sorted(state.statistics) == ["micro_batches", "noise_scale"]
+    assert isinstance(state.statistics["noise_scale"], ga.extend.NoiseScaleState)
+    assert int(state.statistics["micro_batches"]) == 2
+    # One window: the bias-corrected averages are its own estimates.
+    g2, trace = _formula([[1.0, 0.0], [3.0, 4.0]], [1.0, 1.0])
+    np.testing.assert_allclose(opt.stats(state).grad_sq_norm, g2, rtol=1e-5)
+    np.testing.assert_allclose(opt.stats(state).noise_trace, trace, rtol=1e-5)
+
+
 def test_nan_where_undefined_never_a_division_by_zero():
     # Not tracked.
     untracked = ga.MultiSteps(optax.sgd(0.0), 2)
