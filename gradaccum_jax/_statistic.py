@@ -95,11 +95,12 @@ class WindowStatistic(NamedTuple):
 
 
 def named_statistics(
-    statistics: Any, *declared: Mapping[str, WindowStatistic]
+    statistics: Any, *declared: tuple[str, Mapping[str, WindowStatistic]]
 ) -> dict[str, WindowStatistic]:
-    """The accumulator's statistics by name: ``statistics`` (the user's,
-    validated) after those the other parts ``declared`` (a window-size
-    policy's, then the constructor's sugar: the first of a name is kept).
+    """The accumulator's statistics by name: those the other parts
+    ``declared`` (``(which argument asks, {name: statistic})``, in order: the
+    first of a name is kept, one statistic serving both), then
+    ``statistics``, the user's, validated.
 
     Raises a ValueError naming ``statistics`` unless it maps names
     (non-empty strings) to `WindowStatistic` s taken by no other part.
@@ -116,17 +117,15 @@ def named_statistics(
             f"state is kept under its name), got {statistics!r}."
         )
     named: dict[str, WindowStatistic] = {}
-    for part in declared:
+    for source, part in declared:
         for name, stat in part.items():
+            if name in statistics:
+                raise ValueError(
+                    f"`statistics` names {name!r}, the name of a statistic the "
+                    f"accumulator keeps itself ({source} asks for it): give "
+                    "yours another name."
+                )
             named.setdefault(name, stat)
-    taken = sorted(set(named) & set(statistics))
-    if taken:
-        raise ValueError(
-            f"`statistics` names {taken[0]!r}, the name of a statistic the "
-            "accumulator keeps itself (track_noise_scale=True or an "
-            f"adaptive_every_k window keep the noise scale as {taken[0]!r}): "
-            "give yours another name."
-        )
     return {**named, **statistics}
 
 

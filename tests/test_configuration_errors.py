@@ -403,8 +403,12 @@ def test_accumulate_average_is_a_deprecated_alias_of_use_grad_mean():
 
 @pytest.mark.parametrize(
     "noise_scale",
-    [{"track_noise_scale": True}, {"every_k": ga.adaptive_every_k(1, 2, 8)}],
-    ids=["track_noise_scale", "adaptive_every_k"],
+    [
+        {"track_noise_scale": True},
+        {"every_k": ga.adaptive_every_k(1, 2, 8)},
+        {"every_k": ga.adaptive_every_k(1, 2, 8), "track_noise_scale": True},
+    ],
+    ids=["track_noise_scale", "adaptive_every_k", "both"],
 )
 def test_a_statistic_named_as_the_noise_scale_it_keeps_is_rejected(noise_scale):
     with pytest.raises(ValueError) as error:
@@ -412,7 +416,10 @@ def test_a_statistic_named_as_the_noise_scale_it_keeps_is_rejected(noise_scale):
             **{**VALID["accumulate"], **noise_scale},
             statistics={"noise_scale": STATISTIC, "mine": STATISTIC},
         )
-    assert str(error.value).startswith(
+    # An adaptive window's noise scale is the one kept (with its axis_name).
+    asks = "`every_k`" if "every_k" in noise_scale else "`track_noise_scale=True`"
+    assert str(error.value) == (
         "`statistics` names 'noise_scale', the name of a statistic the "
-        "accumulator keeps itself"
+        f"accumulator keeps itself ({asks} asks for it): give yours "
+        "another name."
     )

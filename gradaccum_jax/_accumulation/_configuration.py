@@ -101,7 +101,11 @@ def configure(
         opt=optax.with_extra_args_support(_checks.transformation("opt", opt)),
         store=window_store(accumulator_dtype, window_accumulator, unreduced_axes),
         reduction=_window_reduction(window_reduction, unreduced_axes),
-        statistics=named_statistics(statistics, window_size.statistics, sugar),
+        statistics=named_statistics(
+            statistics,
+            (f"`{every_k_argument}`", window_size.statistics),
+            ("`track_noise_scale=True`", sugar),
+        ),
         window_size=window_size,
         should_skip_update_fn=should_skip_update_fn,
         use_grad_mean=_checks.boolean("use_grad_mean", use_grad_mean),

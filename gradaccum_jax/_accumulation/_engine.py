@@ -1,4 +1,4 @@
-"""The accumulation engine: a micro-step and an emission, composed of config.
+"""The accumulation engine: a micro-step and an emission, composed of parts.
 
 Each part owns its slice of the state and has one job (see
 `Configuration`): the window's storage (a `WindowStore` holding a
