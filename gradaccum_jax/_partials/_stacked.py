@@ -30,12 +30,24 @@ class Stacked(DeviceTerms):
         self._term_spec = P(axis)
 
     def zeros(self, leaf: Any) -> jax.Array:
-        shape = (self.size, *jnp.shape(leaf))
-        return self._split_like(jnp.zeros(shape, jnp.result_type(leaf)), leaf)
+        return self._zeros_split_like(leaf)
 
     def lift(self, value: jax.Array) -> jax.Array:
-        stacked = jnp.zeros((self.size, *jnp.shape(value)), value.dtype)
-        return self._split_like(stacked.at[0].set(value), value)
+        if _placement.is_explicit(self.axis):  # one device: its term is the value
+            return self._split_like(value[None], value)
+        return self._split_like(self._zeros_split_like(value).at[0].set(value), value)
+
+    def _zeros_split_like(self, like: Any) -> jax.Array:
+        """Zero terms of a value shaped like ``like``, split as `_split_like`
+        says. Eagerly they are made where they lie: a stacked window built
+        whole on one device first would hold ``size`` times the param."""
+        shape = (self.size, *jnp.shape(like))
+        dtype = jnp.result_type(like)
+        mesh = getattr(getattr(like, "sharding", None), "mesh", None)
+        if _is_concrete(like) and isinstance(mesh, jax.sharding.Mesh):
+            sharding = jax.sharding.NamedSharding(mesh, self._spec_like(like))
+            return jnp.zeros(shape, dtype, device=sharding)
+        return self._split_like(jnp.zeros(shape, dtype), like)
 
     def _split_like(self, stacked: jax.Array, like: Any) -> jax.Array:
         """``stacked`` split by rows over the axis and, below them, as
@@ -46,14 +58,18 @@ class Stacked(DeviceTerms):
         takes it from the values it meets (the gradients, the window passed
         in), not a replicated copy a plain ``P(axis)`` would ask for.
         """
+        spec = self._spec_like(like)
+        if _placement.is_explicit(self.axis):  # a one-device Explicit axis
+            return _placement.placed(stacked, spec)
+        return jax.lax.with_sharding_constraint(stacked, spec)
+
+    def _spec_like(self, like: Any) -> P:
+        """The spec of terms of a value split as ``like``."""
         rest = [
             _placement.without_axis(entry, self.axis)
             for entry in _term_partitions(like, self.axis)
         ]
-        spec = P(self.axis, *rest)
-        if _placement.is_explicit(self.axis):  # a one-device Explicit axis
-            return _placement.placed(stacked, spec)
-        return jax.lax.with_sharding_constraint(stacked, spec)
+        return P(self.axis, *rest)
 
     def reduce(self, tree: Any) -> Any:
         # XLA's all-reduce combiner fuses the leaves' sums into one.
@@ -117,7 +133,7 @@ def _term_partitions(like: Any, axis: str) -> tuple[Any, ...]:
     ndim = jnp.ndim(like)
     if _placement.is_explicit(axis):
         parts = _tree.partitions(like)
-    elif isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer):
+    elif _is_concrete(like):
         sharding = like.sharding
         parts = ()
         if isinstance(sharding, jax.sharding.NamedSharding) and _tree.mesh_axes_in(
@@ -127,3 +143,8 @@ def _term_partitions(like: Any, axis: str) -> tuple[Any, ...]:
     else:
         return (P.UNCONSTRAINED,) * ndim
     return (*parts, *(None,) * (ndim - len(parts)))
+
+
+def _is_concrete(leaf: Any) -> bool:
+    """Whether ``leaf`` is an array with values (not traced)."""
+    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
