@@ -33,7 +33,9 @@ gradients unreduced over ``data``); ``microbatched_value_and_grad(
 data_axis=)`` (k micro-batches in one step); the ternary window
 (``window_reduction=ternary_window_reduction``); ``diloco`` with float32 and
 ternary outer gradients, 1 and 4 fragments, on stacked workers (over
-``dcn`` where the mesh has it, else ``data``).
+``dcn`` where the mesh has it, else ``data``). On request (``--paths``):
+the window fed by ``jax.grad`` of reduced params with the noise scale
+tracked, or with the ternary window reduction.
 
 Reported per device, from the compiled program: argument, output and
 temporary bytes (``memory_analysis()``); every collective
@@ -81,6 +83,13 @@ PATHS = (
     "diloco float32, F=4",
     "diloco ternary, F=1",
     "diloco ternary, F=4",
+)
+# Run only when named (--paths): the once-per-window path fed by jax.grad of
+# reduced params with the parts that read each device's terms, to see what
+# they add to it (the per-device noise-scale norms, the ternary codes).
+PATHS_ON_REQUEST = (
+    "once per window (jax.grad of reduced params) + noise scale",
+    "ternary window (jax.grad of reduced params)",
 )
 # (name, devices, mesh shape, mesh axes)
 CONFIGS = (
@@ -265,7 +274,7 @@ def _build_path(path, loss, data_axis, workers_axis):
         )
         grad_fn = ga.local_value_and_grad(loss, data_axis)
         return (*accumulating(tx, lambda *a: grad_fn(*a)[1]), "micro", False)
-    if path == "once per window (jax.grad of reduced params)":
+    if "(jax.grad of reduced params)" in path:
         # JAX's own types: params marked `reduced` over the data axis give
         # gradients `unreduced` over it (and laid out as the params).
         from jax.sharding import PartitionSpec as P
@@ -278,7 +287,14 @@ def _build_path(path, loss, data_axis, workers_axis):
         def grad_fn(params, *batch):
             return jax.grad(loss)(jax.tree.map(reduced, params), *batch)
 
-        tx = ga.MultiSteps(adam, K, unreduced_axes=data_axis)
+        ternary = path.startswith("ternary window")
+        tx = ga.MultiSteps(
+            adam,
+            K,
+            unreduced_axes=data_axis,
+            track_noise_scale=path.endswith("+ noise scale"),
+            window_reduction=ga.ternary_window_reduction(0) if ternary else None,
+        )
         return (*accumulating(tx, grad_fn), "micro", False)
     if path == "optax.microbatching":
 
@@ -499,7 +515,14 @@ def main() -> None:
         "--skip-70b", dest="skip_big", action="store_true", help="leave out lm-70b"
     )
     parser.add_argument("--only", nargs="*", help="configuration names to run")
-    parser.add_argument("--paths", nargs="*", default=list(PATHS))
+    parser.add_argument(
+        "--paths",
+        nargs="*",
+        default=list(PATHS),
+        help="the paths to compile (default: all but PATHS_ON_REQUEST: "
+        + "; ".join(PATHS_ON_REQUEST)
+        + ")",
+    )
     parser.add_argument(
         "--plots",
         default=str(HERE / "plots"),

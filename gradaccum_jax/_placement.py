@@ -29,9 +29,17 @@ from jax.sharding import PartitionSpec as P
 from gradaccum_jax import _tree
 
 
+def axis_type(axis: str) -> AxisType:
+    """The type (Explicit, Auto or Manual) of mesh ``axis`` of the current
+    mesh (``jax.set_mesh``; inside ``shard_map``, the axes it made manual
+    are Manual). Read from the public ``axis_names`` and ``axis_types``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis]
+
+
 def is_explicit(axis: str) -> bool:
     """Whether mesh ``axis`` of the current mesh is Explicit."""
-    return jax.sharding.get_abstract_mesh()._name_to_type[axis] == AxisType.Explicit
+    return axis_type(axis) == AxisType.Explicit
 
 
 def placed(leaf: Any, spec: P) -> Any:

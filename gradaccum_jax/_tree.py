@@ -176,25 +176,27 @@ def as_unreduced(leaf: jax.Array, axes: frozenset[str]) -> jax.Array:
     )(leaf)
 
 
-def stacked_as_unreduced(tree: Any, axis: str) -> Any:
+def stacked_as_unreduced(tree: Any, axis: str | tuple[str, ...]) -> Any:
     """Per-device terms stacked on a leading axis, as unreduced arrays.
 
-    ``tree``'s leaves have a leading axis of the size of mesh ``axis``,
-    sharded over it: row ``d`` is device ``d``'s term. Each comes out
-    shaped without it, typed unreduced over ``axis``, with its other
-    partitions (a tensor-parallel ``model`` axis) kept: a sum over the
-    leading axis whose result stays unreduced, so each device keeps its own
-    row and no data moves. (Not a ``shard_map`` with unreduced out_specs
-    over ``axis`` alone: JAX accepts those only when every mesh axis is
-    manual, and a step that leaves ``model`` to the compiler is not.)
+    ``tree``'s leaves have a leading axis of the size of mesh ``axis`` (or
+    of the axes of a tuple, in the order they split it), sharded over it:
+    row ``d`` is device ``d``'s term. Each comes out shaped without it,
+    typed unreduced over ``axis``, with its other partitions (a
+    tensor-parallel ``model`` axis) kept: a sum over the leading axis whose
+    result stays unreduced, so each device keeps its own row and no data
+    moves. (Not a ``shard_map`` with unreduced out_specs over ``axis``
+    alone: JAX accepts those only when every mesh axis is manual, and a step
+    that leaves ``model`` to the compiler is not.)
     """
+    axes = {axis} if isinstance(axis, str) else set(axis)
 
     def as_term(leaf: jax.Array) -> jax.Array:
         rest = partitions(leaf)[1:]
         return jax.lax.reduce_sum(
             leaf,
             (0,),
-            out_sharding=jax.sharding.PartitionSpec(*rest, unreduced={axis}),
+            out_sharding=jax.sharding.PartitionSpec(*rest, unreduced=axes),
         )
 
     return jax.tree.map(as_term, tree)

@@ -88,22 +88,20 @@ def per_device_accumulator(
                 weight = (weight != 0).astype(jnp.float32)
             return accumulator.add(window, grads, weight)
 
-        kinds = "stt" if weighted else "str"
+        terms, shared = ((grads, weight), ()) if weighted else ((grads,), (weight,))
         return PerDeviceWindow(
-            layout.over_devices(local_add, kinds, "s")(acc.local, grads, weight)
+            layout.map_device_states(local_add, acc.local, terms, shared)
         )
 
     def total(acc):
         _check_device_count(acc, axes)
         layout = _partials.device_terms_layout(axes)
-        return layout.over_devices(accumulator.total, "s", "t")(acc.local)
+        return layout.device_states_to_terms(accumulator.total, acc.local)
 
     def reset(acc):
         _check_device_count(acc, axes)
         layout = _partials.device_terms_layout(axes)
-        return PerDeviceWindow(
-            layout.over_devices(accumulator.reset, "s", "s")(acc.local)
-        )
+        return PerDeviceWindow(layout.map_device_states(accumulator.reset, acc.local))
 
     return WindowAccumulator(init, add, total, reset)
 
