@@ -120,7 +120,7 @@ def stacked_arguments(
     stacked, in_axes = [], []
     for position, arg in enumerate(args, start=first_position):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
-        pairs = []
+        pairs: list[tuple[Any, int | None]] = []
         for path, leaf in leaves:
             if np.ndim(leaf) == 0:
                 pairs.append((leaf, None))

@@ -158,9 +158,9 @@ MICROBATCHED = "microbatched_value_and_grad(data_axis=)"
 
 
 def test_reference_configuration_keeps_tensor_parallelism(tmp_path):
-    """On ``data`` 8 x ``model`` 8: no all-gather on either path, the
+    """On ``data`` 8 x ``model`` 8: no all-gather on either path; the
     once-per-window path's one window-sized all-reduce inside the emission
-    loop, its argument memory the plain path's."""
+    loop, its argument memory the plain path's, its temporaries bounded."""
     root = pathlib.Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root))
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
@@ -197,4 +197,7 @@ def test_reference_configuration_keeps_tensor_parallelism(tmp_path):
     assert [(c["kind"], c["axes"]) for c in emitted] == [("all-reduce", ["data"])]
     assert window <= emitted[0]["nbytes"] < window + 64
     assert once["argument_bytes"] == plain["argument_bytes"]
-    assert once["temp_bytes"] <= plain["temp_bytes"] + 2.5 * window
+    # At most optax's temporaries, and the plain path's plus one window
+    # (the reduced window, next to the per-device one, at the emission).
+    assert once["temp_bytes"] <= results[OPTAX]["temp_bytes"]
+    assert once["temp_bytes"] <= plain["temp_bytes"] + window
