@@ -51,6 +51,15 @@ def local_value_and_grad(
       micro-batches, the big-batch gradient even when devices hold
       different numbers of valid examples.
 
+    ``loss_fn`` runs once per device in a ``jax.vmap`` mapped over
+    ``axis_name`` only, so a tensor-parallel param keeps its split over
+    the other axes (a ``shard_map`` manual over ``axis_name`` would gather
+    it on jax 0.10.2). Inside it ``jax.lax.axis_index(axis_name)`` works,
+    and so does a ``psum`` or ``pmean`` over ``axis_name`` of an array
+    whose leading dimension is a multiple of the axis size; on an Explicit
+    mesh jax 0.10.2 fails to lower one of a 0-d value (an AssertionError):
+    sum ``jnp.broadcast_to(x, (n,))`` and take its element 0.
+
     The terms' form follows the mesh (``jax.set_mesh``): on an Explicit
     axis they are unreduced arrays shaped like the values (type
     ``f32[...]{U:data}``); on an Auto axis, which has no unreduced types,

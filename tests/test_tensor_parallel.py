@@ -201,3 +201,27 @@ def test_reference_configuration_keeps_tensor_parallelism(tmp_path):
     # (the reduced window, next to the per-device one, at the emission).
     assert once["temp_bytes"] <= results[OPTAX]["temp_bytes"]
     assert once["temp_bytes"] <= plain["temp_bytes"] + window
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_the_loss_can_sum_over_the_data_axis(axis_type):
+    """As the docstring of `local_value_and_grad` says: a psum over the data
+    axis inside the loss, of a scalar broadcast to the axis size."""
+    mesh = _mesh(axis_type)
+
+    def loss(w, x):
+        total = jax.lax.psum(jnp.broadcast_to(jnp.sum(x), (2,)), "data")[0]
+        return jnp.mean(x * w) + total * jnp.sum(w)
+
+    x_host = np.arange(16.0, dtype=np.float32).reshape(8, 2)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x_host, NamedSharding(mesh, P("data")))
+        _, grads = jax.jit(ga.local_value_and_grad(loss))(jnp.ones(2), x)
+        if axis_type == AxisType.Explicit:
+            grads = jax.jit(lambda g: jax.sharding.reshard(g, P()))(grads)
+        else:
+            grads = grads.sum(0)
+    # Each device's term, 1/2 of its gradient: its mean of x / 2 plus the sum.
+    halves = np.split(x_host, 2)
+    expected = sum((rows.mean(0) / 2 + x_host.sum()) / 2 for rows in halves)
+    np.testing.assert_allclose(grads, expected, rtol=1e-6)
