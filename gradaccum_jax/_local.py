@@ -4,7 +4,8 @@ Under ``jax.jit`` with a batch sharded over a data axis, ``jax.grad`` of a
 mean loss all-reduces the gradients on every call: with accumulation that
 is one gradient-sized all-reduce per micro-step, k per window, where one
 per window suffices (the window's sum is linear). `local_value_and_grad`
-takes each device's gradient in a ``shard_map`` and returns it *unreduced*
+takes each device's gradient (`_per_device.over_axis`: mapped over the data
+axis only, so a tensor-parallel split is kept) and returns it *unreduced*
 (type ``f32[...]{U:data}``: each device holds one term of the sum, nothing
 has crossed devices); an accumulator built with the same
 ``unreduced_axes`` keeps the window unreduced across calls and reduces it
@@ -19,10 +20,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _checks, _partials, _placement, _weights
-from gradaccum_jax._tree import vary_over
+from gradaccum_jax import _checks, _partials, _per_device, _placement, _weights
 
 
 def local_value_and_grad(
@@ -51,6 +50,15 @@ def local_value_and_grad(
       gradient is then ``sum(w g) / sum(w)`` over all devices and
       micro-batches, the big-batch gradient even when devices hold
       different numbers of valid examples.
+
+    ``loss_fn`` runs once per device in a ``jax.vmap`` mapped over
+    ``axis_name`` only, so a tensor-parallel param keeps its split over
+    the other axes (a ``shard_map`` manual over ``axis_name`` would gather
+    it on jax 0.10.2). Inside it ``jax.lax.axis_index(axis_name)`` works,
+    and so does a ``psum`` or ``pmean`` over ``axis_name`` of an array
+    whose leading dimension is a multiple of the axis size; on an Explicit
+    mesh jax 0.10.2 fails to lower one of a 0-d value (an AssertionError):
+    sum ``jnp.broadcast_to(x, (n,))`` and take its element 0.
 
     The terms' form follows the mesh (``jax.set_mesh``): on an Explicit
     axis they are unreduced arrays shaped like the values (type
@@ -138,9 +146,7 @@ def _device_term(
     loss_fn: Callable[..., Any], axis_name: str, has_weight: bool, params, *batch
 ) -> tuple[Any, Any]:
     """One device's ``(loss, grads)`` term (``((w loss, w), w grads)`` with
-    ``has_weight``, else both divided by the number of devices), varying
-    over ``axis_name``."""
-    params = jax.lax.pcast(params, axis_name, to="varying")
+    ``has_weight``, else both divided by the number of devices)."""
     if has_weight:
         (loss, weight), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, *batch
@@ -151,20 +157,16 @@ def _device_term(
         scaled = jax.tree.map(
             lambda g: _weights.weighted(weight.astype(g.dtype), g), grads
         )
-        out = ((_weights.weighted(weight, loss), weight), scaled)
-    else:
-        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-        share = 1.0 / jax.lax.axis_size(axis_name)
-        out = (loss * share, jax.tree.map(lambda g: g * share, grads))
-    # A constant (a weight from a static shape) is the same on every
-    # device: mark it varying first, as a per-device term must be.
-    return jax.tree.map(lambda x: vary_over(x, frozenset({axis_name})), out)
+        return (_weights.weighted(weight, loss), weight), scaled
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    share = 1.0 / jax.lax.axis_size(axis_name)
+    return loss * share, jax.tree.map(lambda g: g * share, grads)
 
 
 def _per_device_terms(
     device_term: Callable[..., Any], axis_name: str, params: Any, batch: tuple
 ) -> Any:
-    """Every device's ``device_term`` on its shard of ``batch``: unreduced
+    """Every device's ``device_term`` on its rows of ``batch``: unreduced
     over an Explicit ``axis_name``, stacked on a leading axis over an Auto
     one."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -177,25 +179,19 @@ def _per_device_terms(
     _placement.check_not_sharded_over(
         params, frozenset({axis_name}), "local_value_and_grad: param"
     )
-
-    def stacked(params, *batch):
-        return jax.tree.map(lambda x: x[None], device_term(params, *batch))
-
     # A batch restored from the host arrives unsplit: split it here (0-d
     # arguments, a dropout key, go to every device whole).
-    batch, batch_specs = _placement.split_arguments(
+    batch, batch_axes = _per_device.stacked_arguments(
         batch, axis_name, "local_value_and_grad"
     )
-    # Manual over the data axis only: the other axes (a 2-D mesh's
-    # ``model``) stay in the compiler's hands inside, so tensor-parallel
-    # params keep their sharding and the loss needs no collective of its
-    # own. The terms come out stacked on a leading device axis.
-    terms = jax.shard_map(
-        stacked,
-        in_specs=(P(), *batch_specs),
-        out_specs=P(axis_name),
-        axis_names={axis_name},
-    )(params, *batch)
+    # Mapped over the data axis only: the other axes (a 2-D mesh's
+    # ``model``) stay in the types, so tensor-parallel params keep their
+    # split and the loss's own collectives are the plain step's. The terms
+    # come out stacked on a leading device axis (a constant one, a weight
+    # from a static shape, broadcast to every device).
+    terms = _per_device.over_axis(device_term, axis_name, (None, *batch_axes))(
+        params, *batch
+    )
     # In the form the accumulator keeps its terms (unreduced on an
     # Explicit axis, stacked otherwise): decided by the one layout rule.
     return _partials.device_terms_layout(frozenset({axis_name})).from_stacked(terms)

@@ -110,22 +110,11 @@ def split_arguments(
       ValueError: naming the argument and leaf, when a leading dimension
         is not a multiple of the size of ``axis``.
     """
-    size = jax.sharding.get_abstract_mesh().shape[axis]
 
     def split(position, path, leaf):
         if np.ndim(leaf) == 0:
             return leaf, P()
-        rows = np.shape(leaf)[0]
-        if rows % size:
-            raise ValueError(
-                f"{caller}: argument {position}{jax.tree_util.keystr(path)} "
-                f"has shape {np.shape(leaf)}; its leading dimension ({rows}) "
-                f"is split over the {size} devices of mesh axis {axis!r} and "
-                f"must be a multiple of {size}. An argument every device "
-                "should get whole must be 0-d: a typed PRNG key "
-                "(jax.random.key, or jax.random.wrap_key_data of a raw uint32 "
-                "key) or a scalar; close over anything else (functools.partial)."
-            )
+        check_rows(leaf, axis, f"{caller}: argument {position}", path)
         return rows_split(leaf, axis), P(axis)
 
     placed_args, specs = [], []
@@ -135,6 +124,26 @@ def split_arguments(
         placed_args.append(treedef.unflatten([leaf for leaf, _ in pairs]))
         specs.append(treedef.unflatten([spec for _, spec in pairs]))
     return tuple(placed_args), tuple(specs)
+
+
+def check_rows(leaf: Any, axis: str, where: str, path: Any) -> None:
+    """Raises unless ``leaf``'s leading dimension splits over mesh ``axis``.
+
+    ``where`` names the argument (``"fn: argument 1"``), ``path`` the leaf
+    in it.
+    """
+    size = jax.sharding.get_abstract_mesh().shape[axis]
+    rows = np.shape(leaf)[0]
+    if rows % size:
+        raise ValueError(
+            f"{where}{jax.tree_util.keystr(path)} "
+            f"has shape {np.shape(leaf)}; its leading dimension ({rows}) "
+            f"is split over the {size} devices of mesh axis {axis!r} and "
+            f"must be a multiple of {size}. An argument every device "
+            "should get whole must be 0-d: a typed PRNG key "
+            "(jax.random.key, or jax.random.wrap_key_data of a raw uint32 "
+            "key) or a scalar; close over anything else (functools.partial)."
+        )
 
 
 def without_axis(entry: Any, axis: str) -> Any:

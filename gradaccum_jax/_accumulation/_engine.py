@@ -246,11 +246,19 @@ def _plan(config, state, grads_like, params, extra_args, layout) -> _Emission:
 
 
 def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
-    """The emitting trip: reduce, close the statistics, step, reset."""
+    """The emitting trip: reduce, close the statistics, step.
+
+    The window's leaves that hold no update (per-device terms, a ternary or
+    low-precision window) are left as they are: the next micro-batch
+    resets the window lazily, as it does the leaves holding updates. Reset
+    here, the reduction's read of each leaf and the zeros written into its
+    buffer would be unordered for XLA, which then copies the window first
+    (two window-sized temporaries on the reference configuration of
+    ``benchmarks/bench_scale.py``: 1.31 GiB against 0.77 GiB).
+    """
     config, layout, slots = emission.config, emission.layout, emission.slots
     updates, rest, window_weight = carry.updates, carry.rest, carry.window_weight
     whole = functools.partial(slots.window, updates)
-    reset_rest = slots.rest(config.store.accumulator.reset(whole(rest)))
     # The window's only cross-device traffic with `unreduced_axes`: its
     # per-device sums, its weight and the statistics' window terms, in one
     # reduction (by default one fused float all-reduce). Its leaves never
@@ -290,7 +298,7 @@ def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
     )
     return WindowCarry(
         updates=updates,
-        rest=reset_rest,
+        rest=rest,
         window_weight=_tree.zeros_like(window_weight),
         inner_state=inner_state,
         reduction_state=reduction_state,

@@ -72,8 +72,11 @@ class ShardedParams:
     to the shard, so the accumulator holds only the shard.
     """
 
-    def __init__(self, layout: DataLayout):
+    def __init__(self, layout: DataLayout, manual: bool = True):
+        # Under `_per_device.over_axis` (a vmap, not a manual shard_map, and
+        # no leaf gathered per micro-batch) nothing is typed as varying.
         self._layout = layout
+        self._manual = manual
 
     @property
     def axis(self) -> str:
@@ -81,6 +84,8 @@ class ShardedParams:
 
     def full(self, params: Any) -> Any:
         axis = self._layout.axis
+        if not self._manual:
+            return params
 
         def gather(leaf: jax.Array, dim: int | None) -> jax.Array:
             if dim is not None:

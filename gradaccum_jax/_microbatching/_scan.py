@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _noise_scale, _weights
 from gradaccum_jax._tree import accumulation_dtype, zeros_like
@@ -33,11 +35,24 @@ def carry_zeros(tree: Any, accumulator_dtype: jnp.dtype) -> Any:
     plain zeros are invariant. `zeros_like` keeps both.
     """
     return jax.tree.map(
-        lambda struct: zeros_like(
-            struct, accumulation_dtype(struct, accumulator_dtype)
+        lambda struct: _on_mesh(
+            zeros_like(struct, accumulation_dtype(struct, accumulator_dtype))
         ),
         tree,
     )
+
+
+def _on_mesh(zeros: jax.Array) -> jax.Array:
+    """``zeros`` typed on the current mesh, replicated, if it has no mesh.
+
+    A 0-d ``jnp.zeros`` is typed on no mesh at all; as the carry of a scan
+    under `_per_device.over_axis` (a vmap over an Explicit mesh axis) jax
+    0.10.2 then fails to add the mapped axis to its type.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not jax.typeof(zeros).sharding.mesh.empty:
+        return zeros
+    return jax.lax.broadcast(zeros, (), out_sharding=NamedSharding(mesh, P()))
 
 
 class MicrobatchCall:

@@ -10,15 +10,82 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _placement
+from gradaccum_jax import _per_device, _placement
 from gradaccum_jax._microbatching._layout import DataLayout, ShardedParams
 from gradaccum_jax._microbatching._scan import weighted_means
-from gradaccum_jax._tree import stacked_as_unreduced
+from gradaccum_jax._tree import reduce_unreduced, stacked_as_unreduced
 
 
 def over_data_axis(local_sums, layout, params, batch, args, kwargs):
     """Runs the micro-batch scan per device over ``layout.axis`` and reduces
-    the sums once after it (one fused all-reduce)."""
+    the sums once after it (one fused all-reduce).
+
+    Mapped over the data axis only (`_per_device.over_axis`), so that the
+    other mesh axes stay in the types: a tensor-parallel param keeps its
+    split and is never gathered. Leaves gathered in every micro-batch
+    (``gather_params_once=False``) need the collectives of a manual
+    ``shard_map`` (`_over_data_axis_manual`).
+    """
+    if any(dim is not None for dim in jax.tree.leaves(layout.gather_dims)):
+        return _over_data_axis_manual(local_sums, layout, params, batch, args, kwargs)
+    dynamic, rebuild = _dynamic_leaves((args, kwargs))
+    axis = layout.axis
+    inputs = params
+    if layout.explicit:
+        # Leaves sharded over the axis are gathered once, here (the FSDP
+        # gather the plain step does too).
+        inputs = jax.tree.map(lambda p: _gathered(p, axis), params)
+        dynamic = [_gathered(jnp.asarray(leaf), axis) for leaf in dynamic]
+    (rows,), (row_axes,) = _per_device.stacked_arguments(
+        (batch,), axis, "microbatched_value_and_grad"
+    )
+    static = []
+
+    def device_sums(params, rows, dynamic):
+        args, kwargs = rebuild(dynamic)
+        sums = local_sums(params, rows, args, kwargs, ShardedParams(layout, False))
+        static.append(sums._replace(value=None, grads=None, weight=None))
+        return sums.value, sums.grads, sums.weight
+
+    stacked = _per_device.over_axis(device_sums, axis, (None, row_axes, None))(
+        inputs, rows, dynamic
+    )
+    value, grads, total = _summed(stacked, layout)
+    value, grads = weighted_means(
+        static[0]._replace(value=value, grads=grads, weight=total)
+    )
+    if layout.unreduced:
+        # Each device's row of the stack is its term (a local retyping).
+        return value, stacked_as_unreduced(grads, axis)
+    if layout.explicit:
+        grads = _with_param_shardings(grads, params)
+    return value, grads
+
+
+def _summed(stacked: Any, layout: DataLayout) -> tuple[Any, Any, Any]:
+    """The devices' ``(value, grads, weight)`` sums, stacked on a leading
+    axis, summed over it; the gradients left stacked if asked unreduced.
+
+    On an Explicit axis each device's row becomes its unreduced term, and
+    the sums all cross devices in one fused all-reduce, each keeping its
+    other partitions (a tensor-parallel split).
+    """
+    value, grads, total = stacked
+    if not layout.explicit:
+        summed = jax.tree.map(lambda x: jnp.sum(x, axis=0), (value, total, grads))
+        value, total, reduced = summed
+    else:
+        terms = stacked_as_unreduced(
+            (value, total, None if layout.unreduced else grads), layout.axis
+        )
+        value, total, reduced = reduce_unreduced(terms)
+    return value, grads if layout.unreduced else reduced, total
+
+
+def _over_data_axis_manual(local_sums, layout, params, batch, args, kwargs):
+    """`over_data_axis` in a ``shard_map`` manual over the data axis, for
+    leaves gathered in every micro-batch (an all-gather before the loss, a
+    reduce-scatter of the gradient, per micro-batch)."""
     dynamic, rebuild = _dynamic_leaves((args, kwargs))
     axis = layout.axis
     is_leaf = lambda x: x is None  # noqa: E731 (gather_dims holds Nones)
@@ -102,15 +169,17 @@ def _final_grads(grads: Any, params: Any, layout: DataLayout) -> Any:
             is_leaf=lambda x: x is None,
         )
     if layout.explicit:
-        # Gradients of parameters sharded over the axis but gathered once
-        # come out replicated: give them the parameter's sharding back (a
-        # local slice, no communication).
-        return jax.tree.map(
-            lambda g, p: jax.sharding.reshard(g, jax.typeof(p).sharding.spec),
-            grads,
-            params,
-        )
+        return _with_param_shardings(grads, params)
     return grads
+
+
+def _with_param_shardings(grads: Any, params: Any) -> Any:
+    """Gradients of parameters sharded over the axis but gathered once
+    come out replicated: they get the parameter's sharding back (a local
+    slice, no communication)."""
+    return jax.tree.map(
+        lambda g, p: _placement.placed(g, jax.typeof(p).sharding.spec), grads, params
+    )
 
 
 def _gathered(leaf: jax.Array, axis: str) -> jax.Array:
