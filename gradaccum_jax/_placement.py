@@ -56,15 +56,38 @@ def rows_split(leaf: Any, axis: str) -> Any:
     """``leaf`` with its leading dimension split over mesh ``axis``.
 
     Its other partitions are kept (a tensor-parallel ``model`` split), but
-    for ``axis`` itself, which can split one dimension only. An input not
-    placed at all (a host array) comes out replicated over the other mesh
-    axes: nothing says how it was split when it was saved. On an Auto axis
-    ``leaf`` is returned as it is.
+    for ``axis`` itself, which can split one dimension only; so are the
+    other axes that split the leading dimension, inside ``axis``'s blocks
+    (`rows_entry`). An input not placed at all (a host array) comes out
+    replicated over the other mesh axes: nothing says how it was split when
+    it was saved. On an Auto axis ``leaf`` is returned as it is.
     """
     if not is_explicit(axis):
         return leaf
-    rest = tuple(without_axis(entry, axis) for entry in _tree.partitions(leaf)[1:])
-    return placed(leaf, P(axis, *rest))
+    return placed(leaf, _rows_spec(_tree.partitions(leaf), axis))
+
+
+def rows_entry(entry: Any, axis: str) -> Any:
+    """The leading dimension's spec entry split over ``axis`` first.
+
+    ``axis`` becomes the major axis, so that device (or worker) ``d`` of
+    ``axis`` holds the ``d``-th contiguous block of rows, and the other
+    mesh axes that already split the dimension stay, splitting each block
+    further: a multi-slice batch ``P(("dcn", "data"))`` split over ``dcn``
+    keeps its ``data`` split inside each slice, where gathering it would
+    hand every device of a slice the slice's whole batch.
+    """
+    kept = without_axis(entry, axis)
+    if kept is None:
+        return axis
+    return (axis, *((kept,) if isinstance(kept, str) else kept))
+
+
+def _rows_spec(parts: tuple, axis: str) -> P:
+    """``parts`` with the leading dimension split over ``axis`` first
+    (`rows_entry`) and ``axis`` dropped from the other dimensions."""
+    first = rows_entry(parts[0] if parts else None, axis)
+    return P(first, *(without_axis(entry, axis) for entry in parts[1:]))
 
 
 def rows_split_like(leaf: Any, axis: str, like: Any) -> Any:
@@ -78,10 +101,12 @@ def rows_split_like(leaf: Any, axis: str, like: Any) -> Any:
     """
     if not is_explicit(axis):
         return leaf
-    rest = tuple(without_axis(entry, axis) for entry in _tree.partitions(leaf)[1:])
-    if not _normalized(rest):
-        rest = tuple(without_axis(entry, axis) for entry in _tree.partitions(like))
-    return placed(leaf, P(axis, *rest))
+    spec = _rows_spec(_tree.partitions(leaf), axis)
+    if not _normalized(tuple(spec)[1:]):
+        spec = P(
+            spec[0], *(without_axis(entry, axis) for entry in _tree.partitions(like))
+        )
+    return placed(leaf, spec)
 
 
 def split_arguments(

@@ -772,3 +772,49 @@ def test_ternary_accumulate_differentiates_through_update():
     assert d_grads.shape == (4, 4) and bool(jnp.all(jnp.isfinite(d_grads)))
     again = jax.jit(jax.grad(unrolled_loss))(0.1, grads_seq)
     np.testing.assert_array_equal(d_lr, again)
+
+
+# --- leaves past 2**31 elements, traced without allocating them ---------------
+
+# 2**31 + 2**16 elements (an int32 count overflows) and 2**33 (a uint32
+# element index overflows, and a leading dimension's stride is 2**32).
+_HUGE_SHAPES = [(65536, 32769), (2, 65536, 65536)]
+
+
+def _traced(name, huge):
+    """Lowers transformation ``name`` on ``huge`` (a ShapeDtypeStruct)."""
+    if name == "ternary_quantize":
+        return jax.jit(ga.ternary_quantize).lower(huge, jax.random.key(0))
+    tx = (
+        ga.ternarize(0)
+        if name == "ternarize"
+        else ga.ternary_accumulate(optax.sgd(1.0), 2)
+    )
+    state = jax.eval_shape(tx.init, huge)
+    return jax.jit(lambda g, s: tx.update(g, s, g)).lower(huge, state)
+
+
+@pytest.mark.parametrize("shape", _HUGE_SHAPES, ids=["2^31+2^16", "2^33"])
+@pytest.mark.parametrize(
+    "name", ["ternary_quantize", "ternarize", "ternary_accumulate"]
+)
+def test_leaves_of_2_31_elements_and_more_trace(name, shape):
+    # The element count was a Python int in the step's arithmetic, which JAX
+    # makes an int32 (OverflowError at trace time past 2**31 elements); the
+    # stride of a leading dimension was a uint32 (past 2**32).
+    lowered = _traced(name, jax.ShapeDtypeStruct(shape, jnp.float32))
+    first = jax.tree.leaves(lowered.out_info)[0]  # the codes, or the updates
+    expected = jnp.int8 if name == "ternary_quantize" else jnp.float32
+    assert (first.shape, first.dtype) == (shape, expected)
+
+
+def test_twn_scale_counts_the_support_in_float32():
+    # An int32 count of the support wraps past 2**31 elements; the float32
+    # one gives the same scale at every size that can be run here.
+    x = _heavy_tailed(3, 4096)
+    magnitude = np.abs(np.asarray(x, np.float64))
+    support = magnitude > 0.7 * magnitude.mean()
+    _, scale = ga.ternary_quantize(x)
+    np.testing.assert_allclose(scale, magnitude[support].mean(), rtol=1e-6)
+    text = jax.jit(ga.ternary_quantize).lower(x).as_text()
+    assert "tensor<i32>" not in text

@@ -182,3 +182,23 @@ def test_accumulator_draws_are_independent_across_micro_steps():
     expected, m = added / 4, len(sums)
     assert abs(np.var(sums) - expected) < 5 * expected * np.sqrt(2 / m)
     assert abs(sums.mean() - added / 2) < 5 * np.sqrt(expected / m)
+
+
+def test_a_leaf_past_the_uint32_index_gets_a_stream_per_leading_index(monkeypatch):
+    # A leaf of 2**32 elements or more cannot be run here: the limit is
+    # lowered to 64 elements, and a (4, 32) leaf stands for one. Numbered
+    # mod the limit, rows 0 and 2 (64 elements apart) would draw the same
+    # bits; each leading index selects a stream of its own instead.
+    stream = _random.stream(_random.seed_state(7), 0)
+    small = np.asarray(_random.bits(stream, _shaped(4, 32)))
+    monkeypatch.setattr(_random, "_INDEX_LIMIT", 64)
+    big = np.asarray(_random.bits(stream, _shaped(4, 32)))
+    # Rows are numbered 0..31 within their own stream, all distinct.
+    assert len(np.unique(big)) == big.size
+    assert not np.array_equal(big[0], big[2])
+    # Leaves under the limit keep their bits; a split leaf its whole-leaf ones.
+    np.testing.assert_array_equal(
+        _random.bits(stream, _shaped(2, 16)), small[:1].reshape(2, 16)
+    )
+    with pytest.raises(ValueError, match=r"dimension of 128 elements, 2\*\*32 or more"):
+        _random.bits(stream, _shaped(128))

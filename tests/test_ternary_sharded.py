@@ -339,3 +339,30 @@ def test_a_per_device_ternary_window_of_tensor_parallel_params_is_a_clear_error(
             r"axis 'model'(.|\n)*window_reduction=ternary_window_reduction",
         ):
             jax.jit(opt.init)(params)
+
+
+def test_a_block_of_a_leaf_past_the_uint32_index_draws_its_whole_leaf_bits(
+    monkeypatch,
+):
+    # The limit lowered to 64 elements stands for 2**32: a (16, 32) leaf is
+    # then numbered by row stream (dimension 0) and column (dimension 1),
+    # and a device's block, split over either, draws the same bits.
+    monkeypatch.setattr(_random, "_INDEX_LIMIT", 64)
+    stream = _random.stream(_random.seed_state(7), 2)
+    leaf = jnp.zeros((16, 32))
+    expected = np.asarray(_random.bits(stream, leaf))
+    specs = (P("data", None), P(None, "model"), P("data", "model"))
+    with jax.set_mesh(_mesh((4, 2), ("data", "model"))):
+        for spec in specs:
+            bits = jax.jit(
+                jax.shard_map(
+                    lambda x, spec=spec: _random.bits(stream, x, tuple(spec)),
+                    in_specs=spec,
+                    out_specs=spec,
+                )
+            )(jax.device_put(leaf, spec))
+            np.testing.assert_array_equal(bits, expected, err_msg=str(spec))
+            sharded = jax.jit(lambda x: _random.bits(stream, x))(
+                jax.device_put(leaf, spec)
+            )
+            np.testing.assert_array_equal(sharded, expected, err_msg=str(spec))

@@ -134,13 +134,15 @@ def _over_data_axis_manual(local_sums, layout, params, batch, args, kwargs):
     if layout.explicit:
         # Explicit shard_map does not reshard its inputs: gather the leaves
         # that enter the scan whole here, once per step, and split the batch
-        # over the axis if it is not already.
+        # over the axis if it is not already (keeping the other axes that
+        # split its rows: a multi-slice batch stays split over ``data``
+        # inside each ``dcn`` slice, no row crosses the slices).
         inputs = jax.tree.map(
             lambda p, dim: p if dim is not None else _gathered(p, axis),
             params,
             layout.gather_dims,
         )
-        batch = jax.tree.map(lambda leaf: _split_over(leaf, axis), batch)
+        batch = jax.tree.map(lambda leaf: _placement.rows_split(leaf, axis), batch)
         dynamic = [_gathered(jnp.asarray(leaf), axis) for leaf in dynamic]
     else:
         inputs = params
@@ -187,14 +189,6 @@ def _gathered(leaf: jax.Array, axis: str) -> jax.Array:
     spec = jax.typeof(leaf).sharding.spec
     whole = P(*(_placement.without_axis(entry, axis) for entry in spec))
     return leaf if whole == spec else jax.sharding.reshard(leaf, whole)
-
-
-def _split_over(leaf: jax.Array, axis: str) -> jax.Array:
-    """``leaf`` sharded over ``axis`` along its batch (leading) axis."""
-    spec = jax.typeof(leaf).sharding.spec
-    if spec and spec[0] == axis:
-        return leaf
-    return jax.sharding.reshard(_gathered(leaf, axis), P(axis))
 
 
 def _dynamic_leaves(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:

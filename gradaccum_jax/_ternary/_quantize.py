@@ -91,9 +91,7 @@ def scale_and_bound(
     bound = (
         jnp.float32(jnp.inf)
         if clip_sigma is None
-        else clip_sigma
-        * magnitude
-        * jnp.sqrt(sum_sq / max(_blocks.size(x.size, split), 1))
+        else clip_sigma * magnitude * jnp.sqrt(sum_sq / element_count(x, split))
     )
     if clip_sigma is not None and not tight:
         return bound, bound, jnp.isfinite(bound)
@@ -106,6 +104,19 @@ def scale_and_bound(
     # NaN, and NaN is not finite either.
     finite = ~jnp.isnan(sum_sq) & jnp.isfinite(max_abs)
     return jnp.minimum(max_abs, bound), bound, finite
+
+
+def element_count(x: jax.Array, split: _blocks.Split = _blocks.WHOLE) -> jax.Array:
+    """The number of elements of the leaf whose block is ``x``, as float32
+    (at least 1, the divisor of a mean over them).
+
+    A float32, not the Python int: JAX turns a Python int operand into an
+    int32, which a leaf of 2**31 elements or more (8 GiB of float32, one
+    stacked weight of a 70B-class model) overflows, an OverflowError when
+    the step is traced. The count's float32 rounding (a relative 6e-8) is
+    far below that of the float32 sum it divides.
+    """
+    return jnp.float32(max(_blocks.size(x.size, split), 1))
 
 
 def clip(x: jax.Array, bound: jax.Array) -> jax.Array:
@@ -243,7 +254,8 @@ def ternary_quantize(
     if key is None:
         magnitude = jnp.abs(x)
         support = magnitude > _TWN_THRESHOLD * jnp.mean(magnitude)
-        count = jnp.sum(support)
+        # Counted in float32: an int32 count wraps past 2**31 elements.
+        count = jnp.sum(support, dtype=jnp.float32)
         scale = jnp.sum(jnp.where(support, magnitude, 0.0)) / jnp.maximum(count, 1)
         codes = jnp.where(support, jnp.sign(x), 0.0).astype(jnp.int8)
         finite = jnp.all(jnp.isfinite(x))

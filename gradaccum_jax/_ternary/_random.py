@@ -45,6 +45,8 @@ from gradaccum_jax._ternary import _blocks
 PROBABILITY_BITS = 24
 PROBABILITY_ONE = float(2**PROBABILITY_BITS)
 
+# Elements a uint32 index can number.
+_INDEX_LIMIT = 2**32
 _PHI = np.uint32(0x9E3779B9)  # 2**32 / golden ratio, odd: a bijective multiply.
 _STREAM_SALTS = (np.uint32(0x243F6A88), np.uint32(0x85A308D3))  # digits of pi
 
@@ -108,19 +110,55 @@ def bits(key: jax.Array, like: Any, split: _blocks.Split = _blocks.WHOLE) -> jax
     its shape and its explicit-sharding partitions, so that an FSDP leaf
     (``f32[64@data,8]``) gets bits sharded like itself, each device hashing
     only its own block. Elements are numbered by their global row-major
-    index, so the bits do not depend on the sharding, and a leaf has at most
-    2**32 elements. Inside a ``shard_map`` manual over the axes that split
-    the leaf, ``like`` is this device's block and ``split`` says how the
-    leaf is split (see `_blocks`): its elements are numbered in the whole
-    leaf all the same.
+    index, so the bits do not depend on the sharding. Inside a
+    ``shard_map`` manual over the axes that split the leaf, ``like`` is
+    this device's block and ``split`` says how the leaf is split (see
+    `_blocks`): its elements are numbered in the whole leaf all the same.
+
+    A leaf of 2**32 elements or more (a stacked weight of a 70B-class
+    model) outgrows a uint32 index: its leading dimensions, down to where
+    fewer than 2**32 elements remain, select a stream of their own (their
+    row-major index hashed into the second key word), and the trailing
+    ones number the elements within it. Smaller leaves take the plain
+    path, so their bits do not change.
     """
-    return mix((element_index(like, key, split) ^ key[0]) * _PHI + key[1])
+    whole = _blocks.whole_shape(tuple(like.shape), split)
+    first = _first_indexed_dimension(whole)
+    word = key[1]
+    if first:  # 2**32 elements or more: a stream per leading index
+        leading = element_index(like, key, split, dims=range(first))
+        word = word ^ mix(leading ^ _STREAM_SALTS[0])
+    index = element_index(like, key, split, dims=range(first, len(whole)))
+    return mix((index ^ key[0]) * _PHI + word)
+
+
+def _first_indexed_dimension(whole: tuple[int, ...]) -> int:
+    """The first dimension from which the trailing ones hold fewer than
+    2**32 elements (0 for a leaf of fewer than 2**32)."""
+    first, count = len(whole), 1
+    while first and count * whole[first - 1] < _INDEX_LIMIT:
+        first -= 1
+        count *= whole[first]
+    if first == len(whole) and whole:
+        raise ValueError(
+            f"ternary codes: a leaf of shape {whole} has a dimension of "
+            f"{whole[-1]} elements, 2**32 or more, which its random bits "
+            "cannot number; split that dimension in two (reshape)."
+        )
+    return first
 
 
 def element_index(
-    like: Any, tie: jax.Array, split: _blocks.Split = _blocks.WHOLE
+    like: Any,
+    tie: jax.Array,
+    split: _blocks.Split = _blocks.WHOLE,
+    dims: Any = None,
 ) -> jax.Array:
     """The row-major index of each element of ``like``, uint32, sharded like it.
+
+    Over ``dims`` (all by default; a range of consecutive dimensions): the
+    index of the element's position in those dimensions alone, which must
+    hold fewer than 2**32 positions (`bits` picks them).
 
     A sum of one iota per dimension rather than ``iota(size).reshape``: a
     reshape cannot keep a partitioned dimension, and each device then builds
@@ -139,16 +177,17 @@ def element_index(
     offsets in the whole leaf, with the whole leaf's strides.
     """
     shape = tuple(like.shape)
+    dims = range(len(shape)) if dims is None else dims
     whole = _blocks.whole_shape(shape, split)
     offsets = _blocks.block_offsets(shape, split)
     sharding = _tree.explicit_sharding(like)
-    if all(size <= 1 for size in whole):  # a single element
+    if all(whole[dim] <= 1 for dim in dims):  # a single position
         return jnp.zeros(shape, jnp.uint32, out_sharding=sharding)
     # 0, written so that XLA cannot fold it: it folds ``key * 0``,
     # ``key ^ key``, and constants passed through an optimization barrier.
     zero = jnp.minimum(tie[0], jnp.uint32(0))
     terms, stride = [], 1
-    for dim in reversed(range(len(shape))):
+    for dim in reversed(dims):
         if whole[dim] > 1:
             iota = jax.lax.broadcasted_iota(
                 jnp.uint32, shape, dim, out_sharding=sharding
