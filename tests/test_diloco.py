@@ -573,8 +573,10 @@ def test_fragments_split_leaves_by_bytes_deterministically():
     from gradaccum_jax._diloco import _fragments
 
     leaves = [np.zeros(s, np.float32) for s in (100, 10, 60, 50, 30, 5)]
-    groups = _fragments.assign(leaves, 2)
-    assert groups == _fragments.assign(leaves, 2)
+    fragments = _fragments.assign(leaves, 2, None)
+    assert fragments == _fragments.assign(leaves, 2, None)
+    groups = tuple(tuple(piece.leaf for piece in f) for f in fragments)
+    assert all(piece.axis is None for f in fragments for piece in f)
     assert sorted(i for g in groups for i in g) == list(range(6))
     totals = [sum(leaves[i].size for i in g) for g in groups]
     assert totals == [130, 125]  # LPT: 100+30 | 60+50+10+5
@@ -628,9 +630,13 @@ def test_streaming_diloco_matches_a_hand_written_reference():
     from gradaccum_jax._diloco import _fragments
 
     names = sorted(params)
-    groups = _fragments.assign([params[k] for k in names], 2)
+    fragments = _fragments.assign([params[k] for k in names], 2, None)
     offsets = _fragments.sync_offsets(4, 2)
-    sync_at = {names[i]: offsets[f] for f, g in enumerate(groups) for i in g}
+    sync_at = {
+        names[piece.leaf]: offsets[f]
+        for f, fragment in enumerate(fragments)
+        for piece in fragment
+    }
     assert sorted(sync_at.values()) == [1, 1, 3, 3]
     anchor, local = _numpy_streaming_diloco(
         params, grads_seq, lr=0.1, sync_at=sync_at, sync_every=4
@@ -737,6 +743,142 @@ def test_a_zero_weight_call_keeps_the_inner_state():
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(new_state.cycle_step) == 1
+
+
+# --- fragments of scanned layers ------------------------------------------------
+
+
+def _scanned_params(layers=8):
+    """Two scanned leaves: a leading layer axis, as ``jax.lax.scan`` takes."""
+    rs = np.random.RandomState(5)
+    return {
+        "w1": (rs.randn(layers, 16, 32) * 0.5).astype(np.float32),
+        "w2": (rs.randn(layers, 32, 16) * 0.5).astype(np.float32),
+    }
+
+
+def _scanned_grads(steps, workers, layers=8):
+    rs = np.random.RandomState(6)
+    return [
+        {k: rs.randn(workers, *p.shape).astype(np.float32) for k, p in params.items()}
+        for params in [_scanned_params(layers)] * steps
+    ]
+
+
+def _largest_sync(compiled):
+    """Bytes of the largest collective of the sync loops, on one device."""
+    return max(c.nbytes for c in ga.measure.collectives(compiled) if c.place == "loop")
+
+
+SCANNED_2D_SPECS = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
+
+
+@pytest.mark.parametrize("ternary", [False, True], ids=["f32", "ternary"])
+@pytest.mark.parametrize("layout", ["1d-explicit", "2d-tp", "2d-auto-tp"])
+def test_fragments_of_scanned_layers_each_sync_a_quarter_of_the_bytes(
+    layout, ternary, monkeypatch
+):
+    """Two scanned leaves of 8 layers, 4 fragments of 2 layers each: every
+    sync moves at most 0.3x the bytes of a sync of the whole model."""
+    params = _scanned_params()
+    if layout != "1d-explicit":
+        monkeypatch.setitem(LAYOUTS, layout, (*LAYOUTS[layout][:3], SCANNED_2D_SPECS))
+    workers = 4 if layout.startswith("2d") else N
+
+    def opt(fragments):
+        reduction = ga.ternary_average_across_devices("data", 0) if ternary else None
+        return ga.diloco(
+            optax.adam(0.01),
+            4,
+            axis_name="data",
+            outer_reduction=reduction,
+            fragments=fragments,
+            fragment_axis=0,
+        )
+
+    grads = _scanned_grads(1, workers)
+    _, whole_state, whole = run_stacked(opt(1), params, grads, layout)
+    _, state, split = run_stacked(opt(4), params, grads, layout)
+    assert _largest_sync(split) <= 0.3 * _largest_sync(whole)
+    if not ternary:  # the float32 sync: exactly the block of 2 layers and presence
+        per_device = PARAM_BYTES_SCANNED // (2 if layout.startswith("2d") else 1)
+        assert _largest_sync(whole) == per_device + 4
+        assert _largest_sync(split) == per_device // 4 + 4
+    # Each fragment's outer state holds its 2 layers of each leaf.
+    assert len(state.outer_states) == 4 and len(whole_state.outer_states) == 1
+    for outer_state in state.outer_states:
+        mu = outer_state[0].trace
+        assert [np.shape(m) for m in mu] == [(workers, 2, 16, 32), (workers, 2, 32, 16)]
+
+
+PARAM_BYTES_SCANNED = sum(p.nbytes for p in _scanned_params().values())
+
+
+def test_fragments_of_layers_are_whole_leaf_fragments_of_the_layer_blocks():
+    """Splitting a scanned leaf's 5 layers into blocks of 3 and 2 is the same
+    DiLoCo as two leaves holding those blocks (the outer step is
+    elementwise), to rounding (XLA fuses the two programs' arithmetic
+    differently); the states hold the same pieces, in the same order."""
+    params = {"w": _scanned_params(layers=5)["w1"]}
+    blocks = {"a": params["w"][:3], "b": params["w"][3:]}
+    grads_seq = [{"w": g["w1"]} for g in _scanned_grads(5, N, layers=5)]
+    block_grads = [{"a": g["w"][:, :3], "b": g["w"][:, 3:]} for g in grads_seq]
+    split = ga.diloco(
+        optax.adam(0.05), 2, axis_name="data", fragments=2, fragment_axis=0
+    )
+    whole = ga.diloco(optax.adam(0.05), 2, axis_name="data", fragments=2)
+    got, got_state, _ = run_stacked(split, params, grads_seq)
+    want, want_state, _ = run_stacked(whole, blocks, block_grads)
+    joined = np.concatenate([np.asarray(want["a"]), np.asarray(want["b"])], axis=1)
+    np.testing.assert_allclose(np.asarray(got["w"]), joined, rtol=0, atol=1e-6)
+    for a, b in zip(
+        jax.tree.leaves(got_state.outer_states),
+        jax.tree.leaves(want_state.outer_states),
+        strict=True,
+    ):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_fragment_axis_pytree_keeps_small_leaves_whole_and_balances_them():
+    params = {
+        "embed": np.ones((10, 4), np.float32),  # 160 bytes, whole
+        "layers": {"w": np.ones((6, 4, 4), np.float32)},  # 64 bytes a layer
+        "norm": np.ones((4,), np.float32),
+    }
+    opt = ga.diloco(
+        optax.sgd(0.1),
+        4,
+        fragments=3,
+        fragment_axis={"embed": None, "layers": 0, "norm": None},
+    )
+    state = opt.init(params)
+    # Fragment f: layers [2f, 2f + 2); the embedding and the norm go to the
+    # fragments with the fewest bytes so far, largest first.
+    shapes = [[np.shape(x) for x in outer[0].trace] for outer in state.outer_states]
+    assert shapes == [[(10, 4), (2, 4, 4)], [(2, 4, 4), (4,)], [(2, 4, 4)]]
+
+
+@pytest.mark.parametrize("layout", ["2d-tp"])
+def test_a_fragment_axis_sharded_over_a_mesh_axis_is_refused_by_name(layout):
+    mesh = stacked_mesh(layout)
+    opt = ga.diloco(optax.sgd(0.1), 4, fragments=2, fragment_axis=0)
+    with jax.set_mesh(mesh):
+        params = {
+            "w": jax.device_put(np.ones((4, 8), np.float32), P("model", None)),
+        }
+        with pytest.raises(
+            ValueError, match=r"param \['w'\] .* sharded over 'model' along axis 0"
+        ):
+            opt.init(params)
+    with pytest.raises(ValueError, match=r"splits param \['w'\] of shape \(4, 8\)"):
+        ga.diloco(optax.sgd(0.1), 8, fragments=5, fragment_axis=0).init(
+            {"w": np.ones((4, 8), np.float32)}
+        )
+    with pytest.raises(ValueError, match=r"`fragment_axis` must be .* prefix"):
+        ga.diloco(optax.sgd(0.1), 4, fragments=2, fragment_axis={"v": 0}).init(
+            {"w": np.ones((4, 8), np.float32)}
+        )
 
 
 # --- checkpoints ---------------------------------------------------------------
