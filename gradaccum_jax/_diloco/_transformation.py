@@ -10,7 +10,7 @@ import optax
 
 from gradaccum_jax import _checks
 from gradaccum_jax._averaging import average_across_devices
-from gradaccum_jax._diloco import _fragments, _stacked
+from gradaccum_jax._diloco import _fragments, _update
 from gradaccum_jax._diloco._state import DiLoCoState, init_state
 from gradaccum_jax._diloco._worker import WorkerConfig, worker_update
 
@@ -106,8 +106,15 @@ def diloco(
         )
         if axis is None or _is_bound(axis):
             return worker_fn(updates, state, params, weight)
-        return _stacked.run_stacked(
-            worker_fn, axis, updates, state, params, weight, init_fn
+        return _update.run_stacked(
+            worker_fn,
+            axis,
+            updates,
+            state,
+            params,
+            weight,
+            init_fn,
+            typed_blocks=outer_reduction is not None,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
