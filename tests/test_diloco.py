@@ -9,6 +9,11 @@ compiled HLO's all-reduces say where the communication is.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -959,6 +964,46 @@ def test_a_fragment_axis_sharded_over_a_mesh_axis_is_refused_by_name(layout):
         ga.diloco(optax.sgd(0.1), 4, fragments=2, fragment_axis={"v": 0}).init(
             {"w": np.ones((4, 8), np.float32)}
         )
+
+
+def test_reference_configuration_syncs_blocks_of_layers_without_gathers(tmp_path):
+    """The 0.81B-param reference of benchmarks/bench_scale.py (24 scanned
+    layers, tensor parallel over `model`, `data` 8 x `model` 8, in a
+    process of its own): DiLoCo with float32 outer gradients gathers
+    nothing, and with 4 fragments of 6 layers each sync moves a quarter
+    of the bytes of a sync of the whole model."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    paths = ("diloco float32, F=1", "diloco float32, F=4")
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", ""
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "bench_scale.py"),
+            "--only",
+            "reference",
+            "--paths",
+            *paths,
+            "--plots",
+            str(tmp_path),
+            "--no-figure",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=env,
+    )
+    results = {r["path"]: r for r in json.loads((tmp_path / "scale.json").read_text())}
+    largest = {}
+    for path in paths:
+        assert "error" not in results[path], results[path]
+        found = results[path]["collectives"]
+        assert {c["kind"] for c in found} == {"all-reduce"}, path
+        largest[path] = max(c["nbytes"] for c in found if c["trips"] == [None])
+    # Each block of 6 layers: 1/4 of a device's float32 share, plus presence.
+    assert largest[paths[1]] == (largest[paths[0]] - 4) // 4 + 4
 
 
 # --- checkpoints ---------------------------------------------------------------
