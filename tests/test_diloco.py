@@ -830,6 +830,34 @@ def test_tensor_parallel_params_are_not_gathered(dtype):
     assert temp <= 2.1 * share, (temp, share)
 
 
+def test_worker_rows_keep_their_split_over_an_inner_data_axis():
+    """Workers over `dcn` (2), each 4 devices of data parallelism: a batch
+    split over ("dcn", "data") stays split over `data` within a worker (no
+    gather of rows), each worker's gradient is its rows' (all-reduced over
+    its `data` devices, as the plain data-parallel step does)."""
+    mesh = jax.make_mesh((2, 4), ("dcn", "data"), axis_types=(AxisType.Explicit,) * 2)
+    rs = np.random.RandomState(9)
+    params = {"w": rs.randn(4, 3).astype(np.float32)}
+    x = rs.randn(16, 4).astype(np.float32)
+    fn = jax.jit(
+        ga.worker_value_and_grad(lambda p, x: jnp.mean((x @ p["w"]) ** 2), "dcn")
+    )
+    with jax.set_mesh(mesh):
+        stacked = ga.stack_workers(params, "dcn")
+        rows = jax.device_put(x, P(("dcn", "data")))
+        loss, grads = fn(stacked, rows)
+        compiled = fn.lower(stacked, rows).compile()
+    found = ga.measure.collectives(compiled, mesh)
+    assert [(c.kind, c.axes) for c in found] == [("all-reduce", ("data",))] * len(found)
+    assert found
+    for d in range(2):
+        want_loss, want = jax.value_and_grad(lambda p, x: jnp.mean((x @ p["w"]) ** 2))(
+            params, x[8 * d : 8 * d + 8]
+        )
+        np.testing.assert_allclose(np.asarray(loss)[d], want_loss, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(grads["w"])[d], want["w"], rtol=1e-5)
+
+
 # --- fragments of scanned layers ------------------------------------------------
 
 

@@ -245,10 +245,16 @@ def worker_value_and_grad(
     ``jax.value_and_grad(loss_fn, has_aux=has_aux)(params_d, *batch_d)``
     for every worker and returns the results stacked (``loss`` of shape
     ``(n,)``, each aux leaf, Python numbers too, with a leading ``(n,)``).
-    No data crosses devices: a worker's gradient is its own, as `diloco`
-    wants it. Params and batch not yet split over ``axis_name`` (restored
-    from host arrays) are split here; a 0-d batch leaf (a dropout key, a
-    scalar) goes to every worker whole.
+    No data crosses the workers: a worker's gradient is its own, as
+    `diloco` wants it. ``loss_fn`` sees one worker's params and rows with
+    their split over the other mesh axes (``jax.vmap`` over the workers):
+    tensor-parallel params stay split over ``model`` and nothing is
+    gathered that ``jax.value_and_grad`` of one worker would not gather;
+    rows split over the workers' axis and then another (``("dcn",
+    "data")``) stay split over the other within a worker. Params and
+    batch not yet split over ``axis_name`` (restored from host arrays) are
+    split here; a 0-d batch leaf (a dropout key, a scalar) goes to every
+    worker whole.
 
     Example:
 
