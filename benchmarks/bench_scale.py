@@ -32,10 +32,11 @@ params resharded to ``P(*spec, reduced={"data"})`` (JAX's own types give
 gradients unreduced over ``data``); ``microbatched_value_and_grad(
 data_axis=)`` (k micro-batches in one step); the ternary window
 (``window_reduction=ternary_window_reduction``); ``diloco`` with float32 and
-ternary outer gradients, 1 and 4 fragments, on stacked workers (over
-``dcn`` where the mesh has it, else ``data``). On request (``--paths``):
-the window fed by ``jax.grad`` of reduced params with the noise scale
-tracked, or with the ternary window reduction.
+ternary outer gradients, 1 and 4 fragments (blocks of the scanned layers,
+``fragment_axis``), on stacked workers (over ``dcn`` where the mesh has
+it, else ``data``). On request (``--paths``): the window fed by
+``jax.grad`` of reduced params with the noise scale tracked, or with the
+ternary window reduction.
 
 Reported per device, from the compiled program: argument, output and
 temporary bytes (``memory_analysis()``); every collective
@@ -240,10 +241,11 @@ def _models():
 # --- the paths -------------------------------------------------------------
 
 
-def _build_path(path, loss, data_axis, workers_axis):
+def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
     """(transformation, step, kind, stacked): kind "micro" (a call is one
     micro-step) or "window" (a call is a whole window of K micro-batches);
-    stacked when params and state are DiLoCo's stacked workers."""
+    stacked when params and state are DiLoCo's stacked workers.
+    ``fragment_axis``: DiLoCo's, the scanned leaves cut along their layers."""
     import jax
     import optax
 
@@ -323,6 +325,7 @@ def _build_path(path, loss, data_axis, workers_axis):
             axis_name=workers_axis,
             outer_reduction=reduction,
             fragments=int(path.rsplit("F=", 1)[1]),
+            fragment_axis=fragment_axis,
         )
         grad_fn = ga.worker_value_and_grad(loss, workers_axis)
         return (*accumulating(tx, lambda *a: grad_fn(*a)[1]), "micro", True)
@@ -380,7 +383,16 @@ def _measure(config, path, mesh, spec):
     axes = mesh.axis_names
     data_axis = "data"
     workers_axis = "dcn" if "dcn" in axes else "data"
-    tx, step, kind, stacked = _build_path(path, loss, data_axis, workers_axis)
+    # DiLoCo's fragments are blocks of layers: the scanned leaves (all of
+    # the reference's, the transformer's "layers") are cut along axis 0.
+    fragment_axis = (
+        {name: 0 if name == "layers" else None for name in params_spec}
+        if "layers" in params_spec
+        else 0
+    )
+    tx, step, kind, stacked = _build_path(
+        path, loss, data_axis, workers_axis, fragment_axis
+    )
     rows_factor = K if kind == "window" else 1
 
     def abstract(shape, dtype, pspec):

@@ -338,8 +338,34 @@ def fragments_fit(value: int, num_leaves: int) -> None:
         raise ValueError(
             f"`fragments` must be an integer in [1, number of parameter leaves] "
             f"= [1, {num_leaves}]: a fragment is a group of whole leaves, got "
-            f"{value}."
+            f"{value}. To split scanned leaves along their layer axis, pass "
+            "fragment_axis=0."
         )
+
+
+def fragment_axis(value: Any) -> Any:
+    """Returns ``value``, or raises unless it is None, an integer >= 0, or a
+    pytree (a prefix of the params, checked at ``init``) whose leaves are
+    None or integers >= 0."""
+    entries = jax.tree.leaves(value, is_leaf=lambda node: node is None)
+    valid = all(
+        entry is None
+        or (
+            isinstance(entry, numbers.Integral)
+            and not isinstance(entry, bool)
+            and int(entry) >= 0
+        )
+        for entry in entries
+    )
+    if not valid:
+        raise ValueError(
+            "`fragment_axis` must be None (fragments of whole leaves), an "
+            "integer >= 0 (the axis each param leaf is split along: 0 for "
+            "the layer axis of scanned layers), or a pytree prefix of the "
+            "params with None or such integers as leaves (e.g. {'embed': None, "
+            f"'layers': 0}}), got {value!r}."
+        )
+    return value
 
 
 def outer_reduction(value: Any, axis: Any) -> Any:

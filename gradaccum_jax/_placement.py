@@ -42,6 +42,16 @@ def is_explicit(axis: str) -> bool:
     return axis_type(axis) == AxisType.Explicit
 
 
+def explicit_axes() -> tuple[str, ...]:
+    """The Explicit axes of the current mesh, in its order."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    )
+
+
 def placed(leaf: Any, spec: P) -> Any:
     """``leaf`` resharded to ``spec`` unless its type already says so.
 

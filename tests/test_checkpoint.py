@@ -171,6 +171,18 @@ CASES: dict[str, Case] = {
         ),
         _grads,
     ),
+    # Fragments of different shapes: w's 64 rows in blocks of 22, 21, 21,
+    # each with its own outer momentum; one syncs on every step.
+    "diloco_fragments_of_rows": Case(
+        lambda: ga.diloco(
+            optax.adam(1e-2),
+            3,
+            outer=optax.sgd(0.5, momentum=0.9),
+            fragments=3,
+            fragment_axis=0,
+        ),
+        _nan_free_grads,
+    ),
     "multisteps_ternary_average_vmapped": Case(
         lambda: _vmapped(
             ga.MultiSteps(

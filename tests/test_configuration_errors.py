@@ -297,6 +297,12 @@ TABLE: list[Row] = [
     Row("diloco", "fragments", BAD_COUNTS, INTEGER_GE_1),
     # Each fragment syncs at its own step of the 4-step cycle.
     Row("diloco", "fragments", (5, 100), r"integer in \[1, sync_every\] = \[1, 4\]"),
+    Row(
+        "diloco",
+        "fragment_axis",
+        ("layers", -1, 1.5, True, {"layers": "0"}, [0, -2]),
+        r"None .* integer >= 0 .* pytree prefix of the params",
+    ),
     Row("worker_value_and_grad", "loss_fn", (3, None), CALLABLE),
     Row("worker_value_and_grad", "axis_name", ("", None, 3, ("data",)), AXIS_NAME),
     Row("worker_value_and_grad", "has_aux", ("False", None), BOOL),

@@ -9,6 +9,11 @@ compiled HLO's all-reduces say where the communication is.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -573,8 +578,10 @@ def test_fragments_split_leaves_by_bytes_deterministically():
     from gradaccum_jax._diloco import _fragments
 
     leaves = [np.zeros(s, np.float32) for s in (100, 10, 60, 50, 30, 5)]
-    groups = _fragments.assign(leaves, 2)
-    assert groups == _fragments.assign(leaves, 2)
+    fragments = _fragments.assign(leaves, 2, None)
+    assert fragments == _fragments.assign(leaves, 2, None)
+    groups = tuple(tuple(piece.leaf for piece in f) for f in fragments)
+    assert all(piece.axis is None for f in fragments for piece in f)
     assert sorted(i for g in groups for i in g) == list(range(6))
     totals = [sum(leaves[i].size for i in g) for g in groups]
     assert totals == [130, 125]  # LPT: 100+30 | 60+50+10+5
@@ -628,9 +635,13 @@ def test_streaming_diloco_matches_a_hand_written_reference():
     from gradaccum_jax._diloco import _fragments
 
     names = sorted(params)
-    groups = _fragments.assign([params[k] for k in names], 2)
+    fragments = _fragments.assign([params[k] for k in names], 2, None)
     offsets = _fragments.sync_offsets(4, 2)
-    sync_at = {names[i]: offsets[f] for f, g in enumerate(groups) for i in g}
+    sync_at = {
+        names[piece.leaf]: offsets[f]
+        for f, fragment in enumerate(fragments)
+        for piece in fragment
+    }
     assert sorted(sync_at.values()) == [1, 1, 3, 3]
     anchor, local = _numpy_streaming_diloco(
         params, grads_seq, lr=0.1, sync_at=sync_at, sync_every=4
@@ -737,6 +748,290 @@ def test_a_zero_weight_call_keeps_the_inner_state():
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(new_state.cycle_step) == 1
+
+
+# --- tensor parallelism kept -------------------------------------------------------
+
+
+def _tp_loss(params, x):
+    """A Megatron MLP: w1 by columns, w2 by rows, its product summed over
+    `model` into rows laid out as ``x``'s."""
+    hidden = jax.nn.relu(x @ params["w1"])
+    rows = P(jax.typeof(x).sharding.spec[0], None)
+    return jnp.mean(jnp.matmul(hidden, params["w2"], out_sharding=rows) ** 2)
+
+
+def _moves(compiled):
+    """Each collective but the all-reduces: (kind, mesh axes, place)."""
+    mesh = stacked_mesh("2d-tp")
+    return [
+        (c.kind, c.axes, c.place)
+        for c in ga.measure.collectives(compiled, mesh)
+        if c.kind != "all-reduce"
+    ]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_tensor_parallel_params_are_not_gathered(dtype):
+    """On `data` 4 x `model` 2 (Explicit), a DiLoCo train step on stacked
+    workers with tensor-parallel params (worker_value_and_grad, then the
+    update) gathers nothing, as the plain step of the same layout; every
+    call's all-reduces are the row-parallel product's, over `model`, and
+    the sync's over `data` runs in its loop."""
+    mesh = stacked_mesh("2d-tp")
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    shapes = {"w1": (256, 512), "w2": (512, 256)}
+
+    def abstract(shape, spec, leaf_dtype=dtype):
+        return jax.ShapeDtypeStruct(
+            shape, leaf_dtype, sharding=jax.NamedSharding(mesh, spec)
+        )
+
+    def spec_of(leaf):
+        return leaf.sharding.spec if leaf.sharding is not None else P()
+
+    def stacked(leaf):
+        return abstract((4, *leaf.shape), P("data", *spec_of(leaf)), leaf.dtype)
+
+    x = abstract((32, 256), P("data", None), jnp.float32)
+    one = {k: abstract(shapes[k], specs[k]) for k in specs}
+    opt = ga.diloco(optax.adam(0.01), 4, axis_name="data")
+    grad_fn = ga.worker_value_and_grad(_tp_loss, "data")
+
+    def step(params, state, x):
+        _, grads = grad_fn(params, x)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def plain_step(params, state, x):
+        grads = jax.grad(_tp_loss)(params, x)
+        updates, state = optax.adam(0.01).update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(opt.init, one)
+        state = jax.tree.map(lambda s: abstract(s.shape, spec_of(s), s.dtype), state)
+        params, state = jax.tree.map(stacked, (one, state))
+        compiled = (
+            jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
+        )
+        plain_state = jax.eval_shape(optax.adam(0.01).init, one)
+        plain = jax.jit(plain_step).lower(one, plain_state, x).compile()
+    assert _moves(plain) == []
+    assert _moves(compiled) == []
+    reductions = ga.measure.collectives(compiled, mesh)
+    assert {c.axes for c in reductions if c.place == "entry"} == {("model",)}
+    assert {c.axes for c in reductions if c.place == "loop"} == {("data",)}
+    # A device's float32 share of a worker's params (the sync's arithmetic
+    # is float32 whatever their dtype): the inner updates and the sync's
+    # all-reduce buffer, measured 2.0x; a leaf gathered would add its whole.
+    share = sum(np.prod(s) for s in shapes.values()) * 4 // 2
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 2.1 * share, (temp, share)
+
+
+def test_worker_rows_keep_their_split_over_an_inner_data_axis():
+    """Workers over `dcn` (2), each 4 devices of data parallelism: a batch
+    split over ("dcn", "data") stays split over `data` within a worker (no
+    gather of rows), each worker's gradient is its rows' (all-reduced over
+    its `data` devices, as the plain data-parallel step does)."""
+    mesh = jax.make_mesh((2, 4), ("dcn", "data"), axis_types=(AxisType.Explicit,) * 2)
+    rs = np.random.RandomState(9)
+    params = {"w": rs.randn(4, 3).astype(np.float32)}
+    x = rs.randn(16, 4).astype(np.float32)
+    fn = jax.jit(
+        ga.worker_value_and_grad(lambda p, x: jnp.mean((x @ p["w"]) ** 2), "dcn")
+    )
+    with jax.set_mesh(mesh):
+        stacked = ga.stack_workers(params, "dcn")
+        rows = jax.device_put(x, P(("dcn", "data")))
+        loss, grads = fn(stacked, rows)
+        compiled = fn.lower(stacked, rows).compile()
+    found = ga.measure.collectives(compiled, mesh)
+    assert [(c.kind, c.axes) for c in found] == [("all-reduce", ("data",))] * len(found)
+    assert found
+    for d in range(2):
+        want_loss, want = jax.value_and_grad(lambda p, x: jnp.mean((x @ p["w"]) ** 2))(
+            params, x[8 * d : 8 * d + 8]
+        )
+        np.testing.assert_allclose(np.asarray(loss)[d], want_loss, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(grads["w"])[d], want["w"], rtol=1e-5)
+
+
+# --- fragments of scanned layers ------------------------------------------------
+
+
+def _scanned_params(layers=8):
+    """Two scanned leaves: a leading layer axis, as ``jax.lax.scan`` takes."""
+    rs = np.random.RandomState(5)
+    return {
+        "w1": (rs.randn(layers, 16, 32) * 0.5).astype(np.float32),
+        "w2": (rs.randn(layers, 32, 16) * 0.5).astype(np.float32),
+    }
+
+
+def _scanned_grads(steps, workers, layers=8):
+    rs = np.random.RandomState(6)
+    return [
+        {k: rs.randn(workers, *p.shape).astype(np.float32) for k, p in params.items()}
+        for params in [_scanned_params(layers)] * steps
+    ]
+
+
+def _largest_sync(compiled):
+    """Bytes of the largest collective of the sync loops, on one device."""
+    return max(c.nbytes for c in ga.measure.collectives(compiled) if c.place == "loop")
+
+
+SCANNED_2D_SPECS = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
+
+
+@pytest.mark.parametrize("ternary", [False, True], ids=["f32", "ternary"])
+@pytest.mark.parametrize("layout", ["1d-explicit", "2d-tp", "2d-auto-tp"])
+def test_fragments_of_scanned_layers_each_sync_a_quarter_of_the_bytes(
+    layout, ternary, monkeypatch
+):
+    """Two scanned leaves of 8 layers, 4 fragments of 2 layers each: every
+    sync moves at most 0.3x the bytes of a sync of the whole model."""
+    params = _scanned_params()
+    if layout != "1d-explicit":
+        monkeypatch.setitem(LAYOUTS, layout, (*LAYOUTS[layout][:3], SCANNED_2D_SPECS))
+    workers = 4 if layout.startswith("2d") else N
+
+    def opt(fragments):
+        reduction = ga.ternary_average_across_devices("data", 0) if ternary else None
+        return ga.diloco(
+            optax.adam(0.01),
+            4,
+            axis_name="data",
+            outer_reduction=reduction,
+            fragments=fragments,
+            fragment_axis=0,
+        )
+
+    grads = _scanned_grads(1, workers)
+    _, whole_state, whole = run_stacked(opt(1), params, grads, layout)
+    _, state, split = run_stacked(opt(4), params, grads, layout)
+    assert _largest_sync(split) <= 0.3 * _largest_sync(whole)
+    if not ternary:  # the float32 sync: exactly the block of 2 layers and presence
+        per_device = PARAM_BYTES_SCANNED // (2 if layout.startswith("2d") else 1)
+        assert _largest_sync(whole) == per_device + 4
+        assert _largest_sync(split) == per_device // 4 + 4
+    # Each fragment's outer state holds its 2 layers of each leaf.
+    assert len(state.outer_states) == 4 and len(whole_state.outer_states) == 1
+    for outer_state in state.outer_states:
+        mu = outer_state[0].trace
+        assert [np.shape(m) for m in mu] == [(workers, 2, 16, 32), (workers, 2, 32, 16)]
+
+
+PARAM_BYTES_SCANNED = sum(p.nbytes for p in _scanned_params().values())
+
+
+def test_fragments_of_layers_are_whole_leaf_fragments_of_the_layer_blocks():
+    """Splitting a scanned leaf's 5 layers into blocks of 3 and 2 is the same
+    DiLoCo as two leaves holding those blocks (the outer step is
+    elementwise), to rounding (XLA fuses the two programs' arithmetic
+    differently); the states hold the same pieces, in the same order."""
+    params = {"w": _scanned_params(layers=5)["w1"]}
+    blocks = {"a": params["w"][:3], "b": params["w"][3:]}
+    grads_seq = [{"w": g["w1"]} for g in _scanned_grads(5, N, layers=5)]
+    block_grads = [{"a": g["w"][:, :3], "b": g["w"][:, 3:]} for g in grads_seq]
+    split = ga.diloco(
+        optax.adam(0.05), 2, axis_name="data", fragments=2, fragment_axis=0
+    )
+    whole = ga.diloco(optax.adam(0.05), 2, axis_name="data", fragments=2)
+    got, got_state, _ = run_stacked(split, params, grads_seq)
+    want, want_state, _ = run_stacked(whole, blocks, block_grads)
+    joined = np.concatenate([np.asarray(want["a"]), np.asarray(want["b"])], axis=1)
+    np.testing.assert_allclose(np.asarray(got["w"]), joined, rtol=0, atol=1e-6)
+    for a, b in zip(
+        jax.tree.leaves(got_state.outer_states),
+        jax.tree.leaves(want_state.outer_states),
+        strict=True,
+    ):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_fragment_axis_pytree_keeps_small_leaves_whole_and_balances_them():
+    params = {
+        "embed": np.ones((10, 4), np.float32),  # 160 bytes, whole
+        "layers": {"w": np.ones((6, 4, 4), np.float32)},  # 64 bytes a layer
+        "norm": np.ones((4,), np.float32),
+    }
+    opt = ga.diloco(
+        optax.sgd(0.1),
+        4,
+        fragments=3,
+        fragment_axis={"embed": None, "layers": 0, "norm": None},
+    )
+    state = opt.init(params)
+    # Fragment f: layers [2f, 2f + 2); the embedding and the norm go to the
+    # fragments with the fewest bytes so far, largest first.
+    shapes = [[np.shape(x) for x in outer[0].trace] for outer in state.outer_states]
+    assert shapes == [[(10, 4), (2, 4, 4)], [(2, 4, 4), (4,)], [(2, 4, 4)]]
+
+
+@pytest.mark.parametrize("layout", ["2d-tp"])
+def test_a_fragment_axis_sharded_over_a_mesh_axis_is_refused_by_name(layout):
+    mesh = stacked_mesh(layout)
+    opt = ga.diloco(optax.sgd(0.1), 4, fragments=2, fragment_axis=0)
+    with jax.set_mesh(mesh):
+        params = {
+            "w": jax.device_put(np.ones((4, 8), np.float32), P("model", None)),
+        }
+        with pytest.raises(
+            ValueError, match=r"param \['w'\] .* sharded over 'model' along axis 0"
+        ):
+            opt.init(params)
+    with pytest.raises(ValueError, match=r"splits param \['w'\] of shape \(4, 8\)"):
+        ga.diloco(optax.sgd(0.1), 8, fragments=5, fragment_axis=0).init(
+            {"w": np.ones((4, 8), np.float32)}
+        )
+    with pytest.raises(ValueError, match=r"`fragment_axis` must be .* prefix"):
+        ga.diloco(optax.sgd(0.1), 4, fragments=2, fragment_axis={"v": 0}).init(
+            {"w": np.ones((4, 8), np.float32)}
+        )
+
+
+def test_reference_configuration_syncs_blocks_of_layers_without_gathers(tmp_path):
+    """The 0.81B-param reference of benchmarks/bench_scale.py (24 scanned
+    layers, tensor parallel over `model`, `data` 8 x `model` 8, in a
+    process of its own): DiLoCo with float32 outer gradients gathers
+    nothing, and with 4 fragments of 6 layers each sync moves a quarter
+    of the bytes of a sync of the whole model."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    paths = ("diloco float32, F=1", "diloco float32, F=4")
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", ""
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "bench_scale.py"),
+            "--only",
+            "reference",
+            "--paths",
+            *paths,
+            "--plots",
+            str(tmp_path),
+            "--no-figure",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=env,
+    )
+    results = {r["path"]: r for r in json.loads((tmp_path / "scale.json").read_text())}
+    largest = {}
+    for path in paths:
+        assert "error" not in results[path], results[path]
+        found = results[path]["collectives"]
+        assert {c["kind"] for c in found} == {"all-reduce"}, path
+        largest[path] = max(c["nbytes"] for c in found if c["trips"] == [None])
+    # Each block of 6 layers: 1/4 of a device's float32 share, plus presence.
+    assert largest[paths[1]] == (largest[paths[0]] - 4) // 4 + 4
 
 
 # --- checkpoints ---------------------------------------------------------------

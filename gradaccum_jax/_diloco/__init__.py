@@ -5,7 +5,8 @@
 - `_sync`: one fragment's sync (outer gradient, mean, outer step);
 - `_worker`: one worker's call (inner step, each fragment's sync when due);
 - `_stacked`: the ``jax.jit`` layout (workers stacked on a mesh axis) and
-  its public helpers;
+  its public helpers, each worker's gradient among them;
+- `_update`: `diloco`'s update on that layout;
 - `_transformation`: `diloco`, which puts them together.
 """
 

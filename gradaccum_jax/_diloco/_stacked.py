@@ -3,11 +3,12 @@
 Between syncs every worker's parameters and inner state differ, so under
 ``jax.jit`` they are held stacked on a leading axis of size ``n`` (the
 workers' mesh axis size), sharded over that axis: device (group) ``d``
-holds worker ``d``'s row, as in MaxText's DiLoCo. Each worker's step runs
-in a ``jax.shard_map`` manual over that axis alone, where the workers see
-each other through the axis name exactly as under ``pmap``: one code path
-for the three data-parallel layouts. Other mesh axes (a ``model`` axis of
-tensor-parallel params) stay the compiler's.
+holds worker ``d``'s row, as in MaxText's DiLoCo. Here: the layout's
+helpers (`stack_workers`, `anchor_params`) and each worker's gradient
+(`worker_value_and_grad`, a ``jax.vmap`` over the workers with their axis
+name bound, which keeps the params' split over other mesh axes: a
+tensor-parallel ``model`` split is not gathered); `_update` runs
+`diloco`'s update on the layout.
 """
 
 from __future__ import annotations
@@ -20,20 +21,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _tree
 from gradaccum_jax._diloco._state import DiLoCoState
-from gradaccum_jax._placement import (
-    is_explicit,
-    rows_split,
-    rows_split_like,
-    split_arguments,
-)
+from gradaccum_jax._placement import is_explicit, rows_split, split_arguments
 
 
-def _workers_axis(axis_name: Any, caller: str) -> int:
+def workers_axis(axis_name: Any, caller: str) -> int:
     """The size of mesh axis ``axis_name`` of the current mesh, checked."""
     mesh = jax.sharding.get_abstract_mesh()
     if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
@@ -46,9 +41,9 @@ def _workers_axis(axis_name: Any, caller: str) -> int:
     return mesh.shape[axis_name]
 
 
-def _check_stacked(params: Any, axis_name: str, caller: str) -> None:
+def check_stacked(params: Any, axis_name: str, caller: str) -> None:
     """Raises unless every leaf of ``params`` has a leading workers axis."""
-    workers = _workers_axis(axis_name, caller)
+    workers = workers_axis(axis_name, caller)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if np.ndim(leaf) == 0 or np.shape(leaf)[0] != workers:
             raise ValueError(
@@ -59,85 +54,8 @@ def _check_stacked(params: Any, axis_name: str, caller: str) -> None:
             )
 
 
-def _first(leaf: jax.Array) -> jax.Array:
+def first_row(leaf: jax.Array) -> jax.Array:
     return leaf[0]
-
-
-def _stacked(leaf: Any) -> jax.Array:
-    # An aux output may hold Python numbers, as jax.value_and_grad allows.
-    return jnp.asarray(leaf)[None]
-
-
-def run_stacked(
-    worker_fn: Callable[..., tuple[Any, Any]],
-    axis_name: str,
-    grads: Any,
-    state: Any,
-    params: Any,
-    weight: Any,
-    init_fn: Callable[[Any], Any],
-) -> tuple[Any, Any]:
-    """Runs ``worker_fn(grads, state, params, weight)`` once per stacked worker.
-
-    ``grads``, ``state`` and ``params`` have a leading workers axis of the
-    size of mesh axis ``axis_name``; ``weight`` is None, a scalar (the same
-    for every worker) or one per worker (shape ``(n,)``). The results come
-    back stacked the same way; nothing crosses devices but what
-    ``worker_fn``'s collectives over ``axis_name`` move. ``init_fn`` (one
-    worker's ``init``) says how a state restored from host arrays is laid
-    out over the other mesh axes.
-    """
-    _check_stacked(params, axis_name, "diloco")
-    per_worker_weight = weight is not None and np.ndim(weight) != 0
-    # Rows not yet laid out over the workers (restored from host arrays, a
-    # weight vector made on the host) are split here, and over the other
-    # axes as the params and `init` lay them out; those already split move
-    # nothing.
-    params = jax.tree.map(functools.partial(rows_split, axis=axis_name), params)
-    if is_explicit(axis_name):  # an Auto shard_map splits its inputs itself
-        grads = _split_like(grads, params, axis_name)
-        state = _split_like(state, _state_layout(init_fn, params), axis_name)
-    if per_worker_weight:
-        weight = rows_split(jnp.asarray(weight), axis_name)
-
-    def block(grads, state, params, weight):
-        if per_worker_weight:
-            weight = weight[0]
-        updates, state = worker_fn(
-            *jax.tree.map(_first, (grads, state, params)), weight
-        )
-        return jax.tree.map(_stacked, (updates, state))
-
-    spec = P(axis_name)
-    return jax.shard_map(
-        block,
-        in_specs=(spec, spec, spec, spec if per_worker_weight else P()),
-        out_specs=spec,
-        axis_names={axis_name},
-    )(grads, state, params, weight)
-
-
-def _split_like(tree: Any, like: Any, axis_name: str) -> Any:
-    """`rows_split_like` over ``tree``, each leaf like ``like``'s rows
-    (``tree`` as is where the structures differ: the caller's checks say
-    how)."""
-    if jax.tree.structure(tree) != jax.tree.structure(like):
-        return jax.tree.map(functools.partial(rows_split, axis=axis_name), tree)
-    return jax.tree.map(
-        lambda leaf, row: rows_split_like(leaf, axis_name, row), tree, like
-    )
-
-
-def _state_layout(init_fn: Callable[[Any], Any], stacked_params: Any) -> Any:
-    """One worker's state as ``init_fn`` lays it out for one row of the
-    stacked params (shapes and shardings only, nothing computed)."""
-
-    def row(leaf):
-        spec = P(*_tree.partitions(leaf)[1:])
-        sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), spec)
-        return jax.ShapeDtypeStruct(jnp.shape(leaf)[1:], leaf.dtype, sharding=sharding)
-
-    return jax.eval_shape(init_fn, jax.tree.map(row, stacked_params))
 
 
 def stack_workers(tree: Any, axis_name: str = "data") -> Any:
@@ -167,10 +85,8 @@ def stack_workers(tree: Any, axis_name: str = "data") -> Any:
     Returns:
       The stacked pytree.
     """
-    workers = _workers_axis(axis_name, "stack_workers")
-    explicit = (
-        jax.sharding.get_abstract_mesh()._name_to_type[axis_name] == AxisType.Explicit
-    )
+    workers = workers_axis(axis_name, "stack_workers")
+    on_explicit = is_explicit(axis_name)
 
     paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     placements = [_placement(leaf) for _, leaf in paths_and_leaves]
@@ -187,7 +103,7 @@ def stack_workers(tree: Any, axis_name: str = "data") -> Any:
     def stack(leaf, placement):
         spec = P(axis_name, *placement)
         repeated = jnp.broadcast_to(leaf[None], (workers, *jnp.shape(leaf)))
-        if explicit:
+        if on_explicit:
             return jax.sharding.reshard(repeated, spec)
         return jax.lax.with_sharding_constraint(repeated, spec)
 
@@ -280,18 +196,20 @@ def _first_worker(leaf: jax.Array) -> jax.Array:
     """Row 0 of a stacked leaf whose rows are equal, read where it lies.
 
     On an Explicit mesh JAX refuses to slice a sharded axis; a
-    ``shard_map`` in which every device returns its own row (they are the
-    same: the anchor is) moves nothing.
+    ``shard_map`` manual over every mesh axis, in which every device
+    returns its own block of its row (the rows are the same: the anchor
+    is), moves nothing, whatever the leaf's split over other axes (a
+    ``shard_map`` manual over the workers' axis alone would gather a
+    tensor-parallel split).
     """
-    axis = (_tree.partitions(leaf) or (None,))[0]
-    if axis is None:
+    partitions = _tree.partitions(leaf)
+    if not partitions or partitions[0] is None:
         return leaf[0]
     return jax.shard_map(
-        _first,
+        first_row,
         mesh=jax.typeof(leaf).sharding.mesh,
-        in_specs=P(axis),
-        out_specs=P(),
-        axis_names=set((axis,) if isinstance(axis, str) else axis),
+        in_specs=P(*partitions),
+        out_specs=P(*partitions[1:]),
         check_vma=False,
     )(leaf)
 
@@ -311,10 +229,16 @@ def worker_value_and_grad(
     ``jax.value_and_grad(loss_fn, has_aux=has_aux)(params_d, *batch_d)``
     for every worker and returns the results stacked (``loss`` of shape
     ``(n,)``, each aux leaf, Python numbers too, with a leading ``(n,)``).
-    No data crosses devices: a worker's gradient is its own, as `diloco`
-    wants it. Params and batch not yet split over ``axis_name`` (restored
-    from host arrays) are split here; a 0-d batch leaf (a dropout key, a
-    scalar) goes to every worker whole.
+    No data crosses the workers: a worker's gradient is its own, as
+    `diloco` wants it. ``loss_fn`` sees one worker's params and rows with
+    their split over the other mesh axes (``jax.vmap`` over the workers):
+    tensor-parallel params stay split over ``model`` and nothing is
+    gathered that ``jax.value_and_grad`` of one worker would not gather;
+    rows split over the workers' axis and then another (``("dcn",
+    "data")``) stay split over the other within a worker. Params and
+    batch not yet split over ``axis_name`` (restored from host arrays) are
+    split here; a 0-d batch leaf (a dropout key, a scalar) goes to every
+    worker whole.
 
     Example:
 
@@ -353,25 +277,74 @@ def worker_value_and_grad(
     has_aux = _checks.boolean("has_aux", has_aux)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
-    def block(params, *batch):
-        out = value_and_grad(jax.tree.map(_first, params), *batch)
+    def one_worker(params, *batch):
+        out = value_and_grad(params, *batch)
         _check_aux(out[0][1] if has_aux else ())
-        return jax.tree.map(_stacked, out)
+        # An aux output may hold Python numbers, as jax.value_and_grad allows.
+        return jax.tree.map(jnp.asarray, out)
 
     def fn(params, *batch):
         caller = "worker_value_and_grad"
-        _check_stacked(params, axis_name, caller)
+        check_stacked(params, axis_name, caller)
         # Params and batch not yet split over the workers (restored from
-        # host arrays) are split here; on an Explicit mesh shard_map would
-        # reject them. Those already split, as a data loader gives them,
-        # move nothing. 0-d arguments go to every worker whole.
+        # host arrays) are split here; those already split, as a data loader
+        # gives them, move nothing. 0-d arguments go to every worker whole.
         params = jax.tree.map(functools.partial(rows_split, axis=axis_name), params)
-        batch, batch_specs = split_arguments(batch, axis_name, caller)
-        return jax.shard_map(
-            block,
-            in_specs=(P(axis_name), *batch_specs),
-            out_specs=P(axis_name),
-            axis_names={axis_name},
+        batch, in_axes = _worker_blocks(batch, axis_name, caller)
+        return jax.vmap(
+            one_worker,
+            in_axes=(0, *in_axes),
+            axis_name=axis_name,
+            spmd_axis_name=axis_name,
         )(params, *batch)
 
     return fn
+
+
+def _leading_axes(leaf: Any) -> tuple[str, ...]:
+    """The mesh axes ``leaf``'s leading dimension is split over, in order."""
+    lead = (_tree.partitions(leaf) or (None,))[0]
+    if lead is None:
+        return ()
+    return (lead,) if isinstance(lead, str) else tuple(lead)
+
+
+def _worker_blocks(batch: tuple, axis: str, caller: str) -> tuple[tuple, tuple]:
+    """Each batch leaf ``(rows, ...)`` as ``(n, rows // n, ...)``, worker
+    ``d``'s contiguous block at ``d``, with the ``vmap`` in_axes (None for a
+    0-d leaf, which every worker gets whole).
+
+    Rows split over the workers' axis first and then over others (a
+    ``data`` axis inside each worker of a ``dcn`` x ``data`` mesh) keep
+    that inner split: each worker's block stays split over its devices.
+    """
+    workers = jax.sharding.get_abstract_mesh().shape[axis]
+
+    def blocks(leaf, spec=None):
+        shape = np.shape(leaf)
+        inner = _leading_axes(leaf)[1:]
+        rest = (*_tree.partitions(leaf), *(None,) * len(shape))[1 : len(shape)]
+        split = P(axis, (inner[0] if len(inner) == 1 else inner) or None, *rest)
+        return jnp.reshape(
+            leaf,
+            (workers, shape[0] // workers, *shape[1:]),
+            out_sharding=split if is_explicit(axis) else None,
+        )
+
+    laid_out = jax.tree.map(
+        lambda leaf: bool(np.ndim(leaf)) and _leading_axes(leaf)[:1] == (axis,),
+        batch,
+    )
+    # Rows laid out by workers become blocks first (the placing below then
+    # moves nothing); the others are checked and placed, then cut.
+    batch = jax.tree.map(
+        lambda leaf, ready: blocks(leaf) if ready else leaf, batch, laid_out
+    )
+    batch, specs = split_arguments(batch, axis, caller)
+    batch = jax.tree.map(
+        lambda leaf, ready: leaf if ready or np.ndim(leaf) == 0 else blocks(leaf),
+        batch,
+        laid_out,
+    )
+    in_axes = jax.tree.map(lambda spec: 0 if spec == P(axis) else None, specs)
+    return batch, in_axes

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gradaccum_jax._diloco import _fragments
 from gradaccum_jax._diloco._sync import reduction_init, wide
 
 
@@ -21,8 +22,13 @@ class DiLoCoState(NamedTuple):
       anchor: the parameters as of the last sync (the outer parameters),
         in the params' dtypes; the same on every worker.
       outer_states: one outer optimizer state per fragment (a tuple), over
-        a list of the fragment's leaves in float32 (the outer step is taken
-        in float32 whatever the params' dtype); the same on every worker.
+        a list of the fragment's pieces in float32 (the outer step is taken
+        in float32 whatever the params' dtype), by increasing index of
+        their leaf among the params' flat leaves: a whole leaf, or with
+        ``fragment_axis`` the fragment's block of rows of a split leaf
+        (rows ``[start, stop)`` of a scanned leaf's layers, so the pieces of
+        different fragments may differ in shape by one row); the same on
+        every worker.
       reduction_states: one ``outer_reduction`` state per fragment (a
         tuple), over the same lists: ``optax.EmptyState()`` for the default
         mean, a `TernaryState` (PRNG counter and this worker's
@@ -48,15 +54,18 @@ def init_state(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation,
     reduction: optax.GradientTransformation | None,
-    groups: tuple[tuple[int, ...], ...],
+    fragments: tuple[_fragments.Fragment, ...],
 ) -> DiLoCoState:
     """A fresh state: the anchor is a copy of ``params``, nothing seen yet."""
     leaves = jax.tree.leaves(params)
     outer_states, reduction_states = [], []
-    for index, group in enumerate(groups):
-        fragment = [wide(leaves[i]) for i in group]
-        outer_states.append(outer.init(fragment))
-        reduction_states.append(reduction_init(reduction, fragment, index))
+    for index, fragment in enumerate(fragments):
+        pieces = [
+            wide(piece)
+            for piece in _fragments.cut(_fragments.take(leaves, fragment), fragment)
+        ]
+        outer_states.append(outer.init(pieces))
+        reduction_states.append(reduction_init(reduction, pieces, index))
     # A copy, not the params themselves: a donated train step would hand
     # the anchor's buffers to the new params otherwise.
     anchor = jax.tree.map(jnp.copy, params)
@@ -66,5 +75,5 @@ def init_state(
         anchor=anchor,
         outer_states=tuple(outer_states),
         reduction_states=tuple(reduction_states),
-        cycle_weights=jnp.zeros([len(groups)], jnp.float32),
+        cycle_weights=jnp.zeros([len(fragments)], jnp.float32),
     )

@@ -10,7 +10,7 @@ import optax
 
 from gradaccum_jax import _checks
 from gradaccum_jax._averaging import average_across_devices
-from gradaccum_jax._diloco import _fragments, _stacked
+from gradaccum_jax._diloco import _fragments, _update
 from gradaccum_jax._diloco._state import DiLoCoState, init_state
 from gradaccum_jax._diloco._worker import WorkerConfig, worker_update
 
@@ -23,6 +23,7 @@ def diloco(
     axis_name: str | tuple[str, ...] | None = None,
     outer_reduction: optax.GradientTransformation | None = None,
     fragments: int = 1,
+    fragment_axis: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo: workers train alone and sync every ``sync_every`` steps.
 
@@ -37,9 +38,12 @@ def diloco(
     trip: a call that does not sync has no collective. Streaming DiLoCo
     (arXiv 2501.18512): ``fragments=F`` syncs F groups of leaves (about
     equal bytes) at staggered steps of the cycle, each about 1/F of the
-    params. Workers: the devices of ``axis_name`` in ``pmap`` / ``shard_map``,
-    or under ``jax.jit`` stacked on a leading axis sharded over the mesh axis
-    ``axis_name`` (`stack_workers`); see the low-communication guide.
+    params; with ``fragment_axis=0`` a scanned model's leaves are cut along
+    their layer axis, so each fragment is a block of layers (and ``F`` is
+    bounded by the layers, not by the leaves). Workers: the devices of
+    ``axis_name`` in ``pmap`` / ``shard_map``, or under ``jax.jit`` stacked
+    on a leading axis sharded over the mesh axis ``axis_name``
+    (`stack_workers`); see the low-communication guide.
 
     Example (one worker, an outer step that lands on the inner params):
 
@@ -63,18 +67,30 @@ def diloco(
       outer_reduction: None (weighted float32 mean) or a transformation
         averaging over ``axis_name``, e.g. ``ternary_average_across_devices(
         axis_name, seed=0)`` (its residual kept per worker).
-      fragments: ``F`` (1: plain DiLoCo), at most ``sync_every`` and the leaf count.
+      fragments: ``F`` (1: plain DiLoCo), at most ``sync_every``; with
+        whole leaves, at most the leaf count.
+      fragment_axis: None: each fragment is a group of whole leaves. An
+        integer ``a``: every param leaf with an axis ``a`` is cut along it
+        into ``F`` contiguous blocks of rows, the first ``rows % F`` one
+        row longer (8 layers in 3: 3, 3, 2), and fragment ``f`` syncs block
+        ``f`` of each; leaves without that axis stay whole. A pytree
+        prefix of the params with None or integers as leaves chooses per
+        subtree (``{"embed": None, "layers": 0}``); whole leaves go to the
+        fragments with the fewest bytes. A cut axis needs at least ``F``
+        rows and must not be sharded over a mesh axis (``init`` and
+        ``update`` name the leaf otherwise); each fragment's outer state is
+        over its pieces (`DiLoCoState`).
 
     Returns:
       A transformation with a `DiLoCoState`; ``update`` needs ``params``.
     """
     config, axis = _config(
-        inner, sync_every, outer, axis_name, outer_reduction, fragments
+        inner, sync_every, outer, axis_name, outer_reduction, fragments, fragment_axis
     )
 
     def init_fn(params: Any) -> DiLoCoState:
-        groups = _fragments.assign(jax.tree.leaves(params), config.fragments)
-        return init_state(params, config.inner, config.outer, config.reduction, groups)
+        pieces = _fragments.assign(params, config.fragments, config.fragment_axis)
+        return init_state(params, config.inner, config.outer, config.reduction, pieces)
 
     def update_fn(
         updates: Any,
@@ -90,15 +106,22 @@ def diloco(
         )
         if axis is None or _is_bound(axis):
             return worker_fn(updates, state, params, weight)
-        return _stacked.run_stacked(
-            worker_fn, axis, updates, state, params, weight, init_fn
+        return _update.run_stacked(
+            worker_fn,
+            axis,
+            updates,
+            state,
+            params,
+            weight,
+            init_fn,
+            typed_blocks=outer_reduction is not None,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _config(
-    inner, sync_every, outer, axis_name, outer_reduction, fragments
+    inner, sync_every, outer, axis_name, outer_reduction, fragments, fragment_axis
 ) -> tuple[WorkerConfig, Any]:
     """``diloco``'s arguments, validated: the workers' config and their axis."""
     inner = optax.with_extra_args_support(_checks.transformation("inner", inner))
@@ -109,9 +132,11 @@ def _config(
     axis = _checks.optional_axis_name("axis_name", axis_name)
     reduction = _checks.outer_reduction(outer_reduction, axis)
     fragments = _checks.fragments(fragments, sync_every)
+    fragment_axis = _checks.fragment_axis(fragment_axis)
     if axis is not None and reduction is None:
         reduction = average_across_devices(axis)
-    return WorkerConfig(inner, outer, reduction, sync_every, fragments), axis
+    config = WorkerConfig(inner, outer, reduction, sync_every, fragments, fragment_axis)
+    return config, axis
 
 
 def _check_update(updates: Any, state: DiLoCoState, params: Any) -> None:

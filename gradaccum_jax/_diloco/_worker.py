@@ -30,6 +30,7 @@ class WorkerConfig(NamedTuple):
     reduction: optax.GradientTransformation | None  # None: a single worker
     sync_every: int
     fragments: int
+    fragment_axis: Any  # None, an axis, or a pytree prefix of the params
 
 
 def inner_step(
@@ -78,26 +79,27 @@ def worker_update(
     update_leaves, treedef = jax.tree.flatten(updates)
     param_leaves = jax.tree.leaves(params)
     anchor_leaves = jax.tree.leaves(state.anchor)
-    groups = _fragments.assign(param_leaves, config.fragments)
+    fragments = _fragments.assign(params, config.fragments, config.fragment_axis)
     offsets = _fragments.sync_offsets(config.sync_every, config.fragments)
     cycle_weights = state.cycle_weights + weight
     outer_states, reduction_states = [], []
-    for index, (group, offset) in enumerate(zip(groups, offsets, strict=True)):
+    for index, (fragment, offset) in enumerate(zip(fragments, offsets, strict=True)):
         carry = SyncCarry(
-            _fragments.take(update_leaves, group),
-            _fragments.take(anchor_leaves, group),
+            _fragments.take(update_leaves, fragment),
+            _fragments.take(anchor_leaves, fragment),
             state.outer_states[index],
             state.reduction_states[index],
             cycle_weights,
         )
         sync = functools.partial(
-            sync_fragment,
-            params=_fragments.take(param_leaves, group),
+            _sync_pieces,
+            params=_fragments.take(param_leaves, fragment),
+            fragment=fragment,
             config=SyncConfig(config.outer, config.reduction, index),
         )
         carry = run_if(state.cycle_step == offset, sync, carry)
-        update_leaves = _fragments.put(update_leaves, group, carry.updates)
-        anchor_leaves = _fragments.put(anchor_leaves, group, carry.anchor)
+        update_leaves = _fragments.put(update_leaves, fragment, carry.updates)
+        anchor_leaves = _fragments.put(anchor_leaves, fragment, carry.anchor)
         outer_states.append(carry.outer_state)
         reduction_states.append(carry.reduction_state)
         cycle_weights = carry.cycle_weights
@@ -110,3 +112,30 @@ def worker_update(
         cycle_weights=cycle_weights,
     )
     return jax.tree.unflatten(treedef, update_leaves), new_state
+
+
+def _sync_pieces(
+    carry: SyncCarry,
+    params: list[Any],
+    fragment: _fragments.Fragment,
+    config: SyncConfig,
+) -> SyncCarry:
+    """`sync_fragment` on the fragment's pieces of the whole leaves carried.
+
+    The loop of `run_if` carries the whole update and anchor leaves; the
+    pieces are cut and pasted back inside it, so a sync of a block of
+    layers writes those rows in place and a step that does not sync moves
+    nothing.
+    """
+    synced = sync_fragment(
+        carry._replace(
+            updates=_fragments.cut(carry.updates, fragment),
+            anchor=_fragments.cut(carry.anchor, fragment),
+        ),
+        _fragments.cut(params, fragment),
+        config,
+    )
+    return synced._replace(
+        updates=_fragments.paste(carry.updates, fragment, synced.updates),
+        anchor=_fragments.paste(carry.anchor, fragment, synced.anchor),
+    )

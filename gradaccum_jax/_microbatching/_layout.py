@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
+from gradaccum_jax import _placement
 from gradaccum_jax._tree import mesh_axes_of, vary_over
 
 
@@ -36,7 +37,7 @@ class DataLayout(NamedTuple):
                 f"(axes {tuple(mesh.axis_names)}); set a mesh with that axis "
                 "with `jax.set_mesh(mesh)` around the call (or the jit)."
             )
-        kind = mesh.axis_types[mesh.axis_names.index(axis)]
+        kind = _placement.axis_type(axis)
         explicit = kind == jax.sharding.AxisType.Explicit
         if unreduced and not explicit:
             raise ValueError(
