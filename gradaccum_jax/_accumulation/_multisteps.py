@@ -176,7 +176,7 @@ class MultiSteps:
             acc_weight=layout.zeros(jnp.zeros([], jnp.float32)),
             micro_steps=jnp.zeros([], jnp.int32),
             emitted=jnp.zeros([], jnp.bool_),
-            reduction_state=parts.reduction.init(params),
+            reduction_state=parts.reduction.init_state(params, layout),
             window_size=parts.window_size.initial(),
         )
         return _window_ops.with_statistic_states(
