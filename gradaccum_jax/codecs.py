@@ -18,10 +18,15 @@ window_reduction=)`` on a mesh); write one against
 - `powersgd`: a warm-started rank-r product per matrix.
 
 Scanned leaves: a leaf of rank 3 or more is a stack of layers along its
-leading axis. PowerSGD factors each layer's matrix on its own; `quantized`
-and `topk` scale each block or chunk of consecutive elements, which never
-straddles two layers whose size is a multiple of the block (32) or chunk
-(4096); `ternary` keeps one scale per leaf.
+leading axis (the params of a ``jax.lax.scan`` over layers). `ternary`
+gives each layer a scale of its own and PowerSGD factors each layer's
+matrix on its own; `quantized` and `topk` scale each block of 32 or chunk
+of 4096 consecutive elements, which never straddles two layers whose size
+is a multiple of it.
+
+A leaf split over another mesh axis (tensor parallelism) is coded where it
+lies: each device codes its own block (blocks of 32 and chunks of 4096 are
+then those of its block); PowerSGD gathers the leaf over that axis.
 """
 
 from gradaccum_jax._codecs._powersgd import powersgd

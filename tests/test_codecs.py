@@ -439,3 +439,115 @@ def test_diloco_fragments_draw_their_own_streams_through_the_protocol():
     keys = np.stack([np.asarray(r.key) for r in state.reduction_states])
     np.testing.assert_array_equal(keys[0], [3, 0])
     assert keys[1, 0] != 3 and keys[1, 1] == 0
+
+
+def test_a_scanned_leaf_gets_a_ternary_scale_per_layer():
+    """Layers of magnitudes 1, 100 and 10000 in one scanned leaf: one scale
+    for the leaf would round the first two to zeros; a scale per layer
+    sends each exactly (signs of equal magnitude, the same on every
+    device), and the pmax carries 3 scales."""
+    rng = np.random.default_rng(6)
+    signs = np.sign(rng.standard_normal((3, 16, 32))).astype(np.float32)
+    layers = signs * np.array([1.0, 100.0, 1e4], np.float32)[:, None, None]
+    grads = {"s": np.broadcast_to(layers, (N, 3, 16, 32)).copy()}
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.ternary(clip_sigma=None, rounding="nearest")
+    )
+    state = _replicate(tx.init({"s": layers}))
+    compiled = jax.pmap(tx.update, axis_name="i").lower(grads, state).compile()
+    means, _ = compiled(grads, state)
+    np.testing.assert_array_equal(means["s"][0], layers)
+    scales = [op for op in ga.measure.collectives(compiled) if "f32[3]" in op.shapes]
+    assert len(scales) == 1
+
+
+def _one_device_mean(codec, x):
+    """The codec's mean over one device (``jax.vmap`` as the mapped axis),
+    without error feedback: what it makes of ``x`` alone."""
+    tx = ga.compressed_average_across_devices("i", codec, error_feedback=False)
+    state = tx.init({"x": x})
+    return np.asarray(
+        jax.vmap(lambda g: tx.update({"x": g}, state)[0]["x"], axis_name="i")(x[None])[
+            0
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("bits", "grid", "error"),
+    [
+        (8, np.arange(128.0), 2e-4),
+        (4, np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]), 0.035),
+    ],
+    ids=["int8", "e2m1"],
+)
+def test_quantized_values_lie_on_the_format_grid_of_each_block(bits, grid, error):
+    """Each block of 32 is its grid times a power of two at least its
+    largest magnitude over the grid's top; the stochastic rounding noise is
+    the format's (E2M1: 0.027 of a Gaussian block's squared norm)."""
+    x = np.random.default_rng(7).standard_normal((64, 64)).astype(np.float32)
+    got = _one_device_mean(codecs.quantized(bits=bits), x)
+    for block, values in zip(x.reshape(-1, 32), got.reshape(-1, 32), strict=True):
+        power = 2.0 ** np.ceil(np.log2(np.abs(block).max() / grid[-1]))
+        assert np.isin(np.abs(values) / power, grid).all()
+    assert ((got - x) ** 2).sum() / (x**2).sum() < error
+
+
+def test_topk_sends_the_largest_entries_of_each_chunk_in_two_bits():
+    """41 of each chunk of 4096 (density 0.01): the largest in magnitude,
+    each as half or all of the chunk's largest, rounded to nearest."""
+    x = np.random.default_rng(8).standard_normal((2, 4096)).astype(np.float32)
+    got = _one_device_mean(codecs.topk(0.01), x)
+    for chunk, values in zip(x, got, strict=True):
+        top = np.argsort(-np.abs(chunk))[:41]
+        np.testing.assert_array_equal(np.flatnonzero(values), np.sort(top))
+        largest = np.abs(chunk).max()
+        expected = (
+            np.sign(chunk[top])
+            * largest
+            * np.where(np.abs(chunk[top]) >= 0.75 * largest, 1.0, 0.5)
+        )
+        np.testing.assert_allclose(values[top], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [codecs.quantized(bits=4), codecs.topk(0.1)],
+    ids=["e2m1", "topk"],
+)
+def test_a_tensor_parallel_leaf_is_coded_where_it_lies_in_a_shard_map(codec):
+    """Inside a shard_map over `data` alone, a leaf split over `model` by
+    explicit sharding: each device codes its own block, so the collectives
+    over `data` carry half the bytes of replicated params; E2M1's blocks of
+    32 are the same either way, and so is its mean. (Top-k's chunks are
+    each device's block: its picks differ.)"""
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
+    grads = np.random.default_rng(9).standard_normal((4, 32, 64)).astype(np.float32)
+    tx = ga.compressed_average_across_devices("data", codec)
+
+    def mean(grads):
+        grads = {"w": grads[0]}
+        return tx.update(grads, tx.init(grads))[0]["w"][None]
+
+    step = jax.jit(
+        jax.shard_map(
+            mean, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+        )
+    )
+    results, data_bytes = {}, {}
+    with jax.set_mesh(mesh):
+        for name, spec in {
+            "tp": P("data", None, "model"),
+            "replicated": P("data"),
+        }.items():
+            placed = jax.device_put(grads, spec)
+            results[name] = step(placed)
+            assert _spec(results[name]) == _spec(spec)
+            data_bytes[name] = sum(
+                op.nbytes
+                for op in ga.measure.collectives(step.lower(placed).compile(), mesh)
+                if op.axes == ("data",)
+            )
+    assert data_bytes["tp"] <= 0.52 * data_bytes["replicated"], data_bytes
+    if codec.name.startswith("quantized"):
+        np.testing.assert_array_equal(results["tp"], results["replicated"])

@@ -16,9 +16,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _tree, _weights
-from gradaccum_jax._codecs._protocol import Codec, CodecState, Wire
+from gradaccum_jax._codecs._protocol import Codec, CodecState, CodecSum, Wire
 from gradaccum_jax._ternary import _blocks, _random
 from gradaccum_jax._ternary._leaves import NoResidual, is_masked
 
@@ -133,7 +134,7 @@ def reduce_with_codec(
         config.error_feedback,
         config.report_sq_excess,
     )
-    coded_sum = config.codec.sum(inputs, state.codec, state.key, wire)
+    coded_sum = _sum_on_blocks(config.codec, inputs, state.codec, state.key, wire)
     new_residuals = list(residuals)
     for j, i in enumerate(compressed):
         finite = coded_sum.finite[j]
@@ -161,6 +162,35 @@ def reduce_with_codec(
         new_state,
         jnp.where(has_weight, sq_excess, 0.0),
     )
+
+
+def _sum_on_blocks(
+    codec: Codec, inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire
+) -> CodecSum:
+    """``codec.sum`` with each input seen as the block its device holds.
+
+    An input split over other mesh axes by explicit sharding (a
+    tensor-parallel ``f32[32,64@model]`` leaf, inside a ``shard_map`` over
+    the reduction axis alone) is coded where it lies: in a ``shard_map``
+    manual over the axes that split it, each device codes its own block,
+    told the split by `Wire.splits` (what the window's map does for its
+    terms). Nothing is gathered, and a codec never reshapes a split array,
+    which JAX cannot do without moving it.
+    """
+    specs = [P(*_tree.partitions(x)) for x in inputs]
+    split_axes = _tree.mesh_axes_in(tuple(part for spec in specs for part in spec))
+    if not split_axes:
+        return codec.sum(inputs, state, key, wire)
+    blocks_wire = wire._replace(splits=[tuple(spec) for spec in specs])
+    return jax.shard_map(
+        lambda inputs, state, key, device: codec.sum(
+            inputs, state, key, blocks_wire._replace(device=device)
+        ),
+        in_specs=(specs, P(), P(), P()),
+        out_specs=CodecSum._make([specs, specs, P(), P(), P()]),
+        axis_names=set(split_axes),
+        check_vma=False,
+    )(inputs, state, key, wire.device)
 
 
 def _exact(

@@ -84,15 +84,16 @@ def quantized(*, bits: int = 8, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
         exponents = _pmax(local, wire.axis)
         codes, sums, sent, finite = [], [], [], []
         for j, (x, b, e) in enumerate(zip(inputs, blocks, exponents, strict=True)):
-            scale = jnp.ldexp(jnp.float32(1.0), e.astype(jnp.int32))[:, None] / units
+            power = _power(e)
+            scale = power / units  # of one code unit
             stream = _random.stream(key, wire.leaves[j], wire.device)
             uniform = _uniform(_blocks_of(_random.bits(stream, x, wire.splits[j])))
-            codes.append(_round(b / scale, uniform, top, units))
+            codes.append(_round(b / power, uniform, top, units))
             sent.append(_unblock(codes[-1].astype(jnp.float32) * scale, x))
             finite.append(jnp.all(e != _NOT_FINITE))
         code_sums = _packing.packed_sum(codes, wire.axis, wire.num_devices, top)
         for c, e, x in zip(code_sums, exponents, inputs, strict=True):
-            scale = jnp.ldexp(jnp.float32(1.0), e.astype(jnp.int32))[:, None] / units
+            scale = _power(e) / units
             sums.append(_unblock(c.astype(jnp.float32) * scale, x))
         return CodecSum(sums, sent, finite, state)
 
@@ -102,6 +103,11 @@ def quantized(*, bits: int = 8, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
         lambda shapes, key: (),
         codec_sum,
     )
+
+
+def _power(exponents: jax.Array) -> jax.Array:
+    """``2**e`` per block, shaped to scale the block's row."""
+    return jnp.ldexp(jnp.float32(1.0), exponents.astype(jnp.int32))[:, None]
 
 
 def _blocks_of(x: jax.Array) -> jax.Array:

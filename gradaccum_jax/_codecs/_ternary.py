@@ -32,7 +32,9 @@ def ternary(
     """Ternary codes: each device sends {-1, 0, 1} per element, one scale per leaf.
 
     The devices agree on one scale per leaf (a pmax of their clipping
-    bounds, ``clip_sigma`` root-mean-squares of their inputs), code their
+    bounds, ``clip_sigma`` root-mean-squares of their inputs; one per layer
+    of a leaf of rank 3 or more, a scanned stack of layers along its
+    leading axis), code their
     inputs against it, and the codes of all devices are summed by one
     packed integer all-reduce (base-(2n + 1) digits in uint32 words: 7
     codes per word with 8 devices, 1/7 of the float32 bytes).
@@ -108,7 +110,7 @@ def ternary_codec(
         sq_excess = None
         if wire.report_sq_excess and stochastic:
             sq_excess = _sq_excess(inputs, scales, bounds, wire)
-        finite = [jnp.isfinite(s) for s in scales]
+        finite = [jnp.all(jnp.isfinite(s)) for s in scales]
         return CodecSum(sums, sent, finite, state, sq_excess)
 
     return Codec(
@@ -127,17 +129,55 @@ def _common_scales(
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """The scale every device codes each input against (the pmax of the
     devices' clipping bounds, +inf where any input is not finite, in one
-    all-reduce), and this device's clipping bounds."""
+    all-reduce), and this device's clipping bounds; per layer of a scanned
+    leaf, shaped to broadcast against it."""
     bounds, local_scales = [], []
     for x, split in zip(inputs, wire.splits, strict=True):
-        scale, bound, finite = scale_and_bound(x, clip_sigma, split=split)
+        scale, bound, finite = _scale_and_bound(x, clip_sigma, split)
         bounds.append(bound)
         # A non-finite input is marked +inf, not NaN: max is guaranteed to
         # propagate inf to every device.
         local_scales.append(jnp.where(finite, scale, jnp.inf))
     if not local_scales:
         return [], bounds
-    return list(jax.lax.pmax(jnp.stack(local_scales), wire.axis)), bounds
+    sizes = [int(np.size(scale)) for scale in local_scales]
+    flat = jax.lax.pmax(
+        jnp.concatenate([jnp.reshape(scale, -1) for scale in local_scales]), wire.axis
+    )
+    scales = jnp.split(flat, np.cumsum(sizes)[:-1])
+    return [
+        jnp.reshape(scale, jnp.shape(bound))
+        for scale, bound in zip(scales, bounds, strict=True)
+    ], bounds
+
+
+def _scale_and_bound(
+    x: jax.Array, clip_sigma: float | None, split: _blocks.Split
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`scale_and_bound` of ``x``, per layer of a scanned leaf.
+
+    A leaf of rank 3 or more is a stack of layers along its leading axis
+    (the params of a ``jax.lax.scan`` over layers): each layer gets a scale
+    of its own, as separate leaves would, instead of one set by the layer
+    of largest gradients. Shaped ``(layers, 1, ...)`` to broadcast; a
+    scalar for a leaf of rank 2 or less.
+    """
+    if x.ndim < 3:
+        return scale_and_bound(x, clip_sigma, split=split)
+    within = tuple(range(1, x.ndim))
+    # Reduced within each layer: over the blocks of the other dimensions.
+    others = (None, *split[1:]) if split else split
+    sum_sq = _blocks.total(jnp.sum(jnp.square(x), axis=within), others)
+    per_layer = _blocks.size(int(np.prod(x.shape[1:], dtype=np.int64)), others)
+    if clip_sigma is None:
+        bound = jnp.full_like(sum_sq, jnp.inf)
+        scale = _blocks.maximum(jnp.max(jnp.abs(x), axis=within, initial=0.0), others)
+        finite = ~jnp.isnan(sum_sq) & jnp.isfinite(scale)
+    else:
+        bound = clip_sigma * jnp.sqrt(sum_sq / max(per_layer, 1))
+        scale, finite = bound, jnp.isfinite(bound)
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    return scale.reshape(shape), bound.reshape(shape), jnp.all(finite)
 
 
 def _nearest_codes(x: jax.Array, scale: jax.Array, bound: jax.Array) -> jax.Array:
