@@ -23,7 +23,7 @@ same examples. Methods:
 - ``DiLoCo H=32 <codec>``: the outer gradients sent by a codec of
   `gradaccum_jax.codecs` with `compressed_average_across_devices` (error
   feedback): ``int8`` and ``e2m1`` (`quantized`), ``topk 1%`` (2-bit
-  values, SparseLoCo's setting) and ``PowerSGD r4``;
+  values, SparseLoCo's setting), ``topk 3% 4-bit`` and ``PowerSGD r4``;
 - ``DP topk 1%`` and ``DP PowerSGD r4``: data parallel with the gradients
   averaged by those codecs every step.
 
@@ -196,6 +196,7 @@ CODECS = {
     "int8": ga.codecs.quantized(bits=8),
     "e2m1": ga.codecs.quantized(bits=4),
     "topk 1%": ga.codecs.topk(0.01),
+    "topk 3% 4-bit": ga.codecs.topk(0.03, bits=4),
     "PowerSGD r4": ga.codecs.powersgd(4),
 }
 
