@@ -244,6 +244,7 @@ def test_a_zero_weight_device_with_nan_gradients_contributes_nothing(codec):
     spoiled, spoiled_state = step(nan_grads, clean_state, jnp.ones(N))
     assert np.all(np.isnan(spoiled["w"])) and np.all(np.isnan(spoiled["s"]))
     chex.assert_trees_all_equal(spoiled_state.residual, clean_state.residual)
+    chex.assert_trees_all_equal(spoiled_state.codec, clean_state.codec)
     # A zero total weight: zeros, and nothing moves.
     zero, zero_state = step(grads, clean_state, jnp.zeros(N))
     assert not any(np.any(leaf) for leaf in jax.tree.leaves(zero))

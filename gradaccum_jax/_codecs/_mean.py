@@ -144,10 +144,12 @@ def reduce_with_codec(
             new_residuals[i] = jnp.where(
                 finite & has_weight, inputs[j] - coded_sum.sent[j], residuals[i]
             )
-    # A zero total weight (nothing seen anywhere) leaves the codec's state
-    # as it was, as it leaves the residuals.
+    # A zero total weight (nothing seen anywhere) or a non-finite leaf
+    # leaves the codec's state as it was (a warm start poisoned by a NaN
+    # would spoil every later call), as it leaves the residuals.
+    keep = has_weight & jnp.all(jnp.stack([jnp.asarray(True), *coded_sum.finite]))
     codec_state = jax.tree.map(
-        lambda new, old: jnp.where(has_weight, new, old), coded_sum.state, state.codec
+        lambda new, old: jnp.where(keep, new, old), coded_sum.state, state.codec
     )
     residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
     new_state = CodecState(
