@@ -19,7 +19,13 @@ same examples. Methods:
   error feedback;
 - ``DiLoCo H=32 F=4``: Streaming DiLoCo's fragments (arXiv 2501.18512):
   the parameters in 4 fragments, each synchronized every H steps, their
-  syncs staggered.
+  syncs staggered;
+- ``DiLoCo H=32 <codec>``: the outer gradients sent by a codec of
+  `gradaccum_jax.codecs` with `compressed_average_across_devices` (error
+  feedback): ``int8`` and ``e2m1`` (`quantized`), ``topk 1%`` (2-bit
+  values, SparseLoCo's setting), ``topk 3% 4-bit`` and ``PowerSGD r4``;
+- ``DP topk 1%`` and ``DP PowerSGD r4``: data parallel with the gradients
+  averaged by those codecs every step.
 
 The inner optimizer is the same everywhere: AdamW (the paper's inner
 optimizer), ``--lr`` 2e-3 (the better of 1e-3 and 2e-3 for data parallel),
@@ -31,10 +37,12 @@ tuned for hundreds of outer steps; see ``OUTER_LR``). Validation loss (the demo'
 the anchor, which every worker holds after a sync.
 
 Bytes are read from the compiled HLO of one pmapped train step with
-`gradaccum_jax.measure.all_reduces`, not computed on paper: an all-reduce in the
-entry computation runs on every step, one inside a while loop's body (the
-sync, which runs in a loop of zero or one trip) once per sync; bytes sent
-are each all-reduce's buffer times the number of times it runs.
+`gradaccum_jax.measure.collectives`, not computed on paper: a collective in
+the entry computation runs on every step, one inside a while loop's body
+(the sync, which runs in a loop of zero or one trip) once per sync. Bytes
+are what each device receives, by the ring estimates, for every collective
+and every method: an all-reduce of S bytes over n devices 2 (n - 1) / n S,
+an all-gather of output S (n - 1) / n S.
 
 It prints a table (validation loss at the end, that is at equal examples,
 its ratio to DP float32, total bytes and their ratio to DP float32) and
@@ -157,7 +165,40 @@ def methods(
             "DiLoCo H=32 ternary", 32, outer_reduction=_ternary_outer_reduction()
         ),
         diloco_method("DiLoCo H=32 F=4", 32, fragments=4),
+        *[
+            diloco_method(
+                f"DiLoCo H=32 {name}",
+                32,
+                outer_reduction=ga.compressed_average_across_devices(
+                    AXIS, codec, seed=TERNARY_SEED
+                ),
+            )
+            for name, codec in CODECS.items()
+        ],
+        *[
+            Method(
+                f"DP {name}",
+                data_parallel(
+                    ga.compressed_average_across_devices(
+                        AXIS, CODECS[name], seed=TERNARY_SEED
+                    )
+                ),
+                _params_as_is,
+                lambda steps: 0,
+            )
+            for name in ("topk 1%", "PowerSGD r4")
+        ],
     ]
+
+
+# The codecs of the `DiLoCo H=32 <codec>` and `DP <codec>` rows.
+CODECS = {
+    "int8": ga.codecs.quantized(bits=8),
+    "e2m1": ga.codecs.quantized(bits=4),
+    "topk 1%": ga.codecs.topk(0.01),
+    "topk 3% 4-bit": ga.codecs.topk(0.03, bits=4),
+    "PowerSGD r4": ga.codecs.powersgd(4),
+}
 
 
 def _diloco_global_params(params, state):
@@ -303,8 +344,8 @@ def validation_curves(method: Method, task: Task, seeds: list[int], steps: int):
     return np.asarray(run(initial, jnp.asarray(indices))[0])
 
 
-def step_all_reduces(method: Method, task: Task) -> list[ga.measure.AllReduce]:
-    """The all-reduces of one compiled pmapped train step of ``method``."""
+def step_collectives(method: Method, task: Task) -> list[ga.measure.Collective]:
+    """The collectives of one compiled pmapped train step of ``method``."""
     train = tuple(jnp.asarray(a) for a in task.train)
     tx = method.optimizer()
     params = jax.tree.map(
@@ -320,16 +361,28 @@ def step_all_reduces(method: Method, task: Task) -> list[ga.measure.AllReduce]:
     indices = jax.ShapeDtypeStruct((NUM_DEVICES, task.per_device_batch), jnp.int32)
     step = jax.pmap(train_step(tx, task, train), axis_name=AXIS)
     compiled = step.lower(per_device(params), per_device(state), indices).compile()
-    return ga.measure.all_reduces(compiled)
+    return ga.measure.collectives(compiled)
 
 
-def bytes_sent(reductions: list[ga.measure.AllReduce], steps: int, syncs: int) -> int:
-    """Bytes the all-reduces carry in ``steps`` steps with ``syncs`` syncs."""
-    runs = {"entry": steps, "while-body": syncs}
-    unexpected = [r for r in reductions if r.place not in runs]
+def received_bytes(collective: ga.measure.Collective) -> float:
+    """What each device receives in one run of ``collective`` (ring estimates)."""
+    n = collective.group_size
+    if collective.kind == "all-reduce":
+        return 2 * (n - 1) / n * collective.nbytes
+    if collective.kind in ("all-gather", "all-to-all", "collective-permute"):
+        return (n - 1) / n * max(collective.nbytes, collective.operand_nbytes)
+    return (n - 1) / n * collective.operand_nbytes  # reduce-scatter
+
+
+def bytes_sent(
+    collectives: list[ga.measure.Collective], steps: int, syncs: int
+) -> float:
+    """Bytes each device receives in ``steps`` steps with ``syncs`` syncs."""
+    runs = {"entry": steps, "loop": syncs}
+    unexpected = [c for c in collectives if c.place not in runs]
     if unexpected:
-        raise ValueError(f"all-reduces outside the entry or a loop: {unexpected}")
-    return sum(r.nbytes * runs[r.place] for r in reductions)
+        raise ValueError(f"collectives outside the entry or a loop: {unexpected}")
+    return sum(received_bytes(c) * runs[c.place] for c in collectives)
 
 
 def measure(task: Task, chosen: list[Method], seeds: list[int], steps: int) -> dict:
@@ -339,14 +392,22 @@ def measure(task: Task, chosen: list[Method], seeds: list[int], steps: int) -> d
     for method in chosen:
         t0 = time.time()
         losses = validation_curves(method, task, seeds, steps)
-        reductions = step_all_reduces(method, task)
+        reductions = step_collectives(method, task)
         curves[method.name] = {
             "loss": losses.mean(0).tolist(),
             "loss_per_seed": losses[:, -1].tolist(),
             "bytes": [
                 bytes_sent(reductions, int(e), method.syncs(int(e))) for e in evals
             ],
-            "all_reduces": [r._asdict() for r in reductions],
+            "collectives": [
+                {
+                    "kind": r.kind,
+                    "shapes": r.shapes,
+                    "nbytes": r.nbytes,
+                    "place": r.place,
+                }
+                for r in reductions
+            ],
             "syncs": method.syncs(steps),
             "seconds": time.time() - t0,
         }
@@ -456,7 +517,7 @@ def table(record: dict) -> str:
         f"{record['inner']}, DiLoCo outer: {record['outer']}; validation loss "
         f"mean of {record['seeds']} seeds\n",
         "| method | val loss at equal examples | vs DP float32 | seeds "
-        "| all-reduce bytes | vs DP float32 |",
+        "| bytes received | vs DP float32 |",
         "|---|---:|---:|---|---:|---:|",
     ]
     for name, curve in curves.items():

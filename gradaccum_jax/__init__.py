@@ -5,7 +5,8 @@ Every public name is an ``optax.GradientTransformation`` (or a helper around
 one) over pytrees with an immutable NamedTuple state: jit-able, scan-able,
 pmap-able and checkpointable, and chainable with any optax optimizer.
 
-The top level holds what a user trains with. Two submodules hold the rest:
+The top level holds what a user trains with. Three submodules hold the
+rest: `gradaccum_jax.codecs`, the compression codecs;
 `gradaccum_jax.extend`, the accumulation engine's extension protocols and
 the parts' state types; `gradaccum_jax.measure`, what reads compiled
 programs and states.
@@ -49,9 +50,13 @@ from gradaccum_jax._ternary import (
     ternary_window_reduction,
 )
 
-# --- submodules: the engine's protocols and the parts' state types; what
-# reads compiled programs and states ---
-from gradaccum_jax import extend, measure
+# --- compression codecs on the wire of a device mean or a window's sum ---
+from gradaccum_jax._codecs._average import compressed_average_across_devices
+from gradaccum_jax._codecs._window import compressed_window_reduction
+
+# --- submodules: the codecs; the engine's protocols and the parts' state
+# types; what reads compiled programs and states ---
+from gradaccum_jax import codecs, extend, measure
 
 # --- data parallelism under jax.jit: per-device gradients ---
 from gradaccum_jax._local import local_value_and_grad
@@ -80,6 +85,8 @@ __all__ = [
     "average_across_devices",
     "clip",
     "clip_by_global_norm",
+    "compressed_average_across_devices",
+    "compressed_window_reduction",
     "diloco",
     "DiLoCoState",
     "ClipByGlobalNormState",

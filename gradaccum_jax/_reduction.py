@@ -24,7 +24,8 @@ class WindowReduction(NamedTuple):
     Attributes:
       init: ``init(params) -> state``, the reduction's own state (kept in
         ``MultiStepsState.reduction_state``; arrays that are the same on
-        every device, so checkpointable).
+        every device, so checkpointable); ``init(params, layout)`` with
+        ``per_device``.
       reduce: ``reduce(terms, layout, state) -> (sums, state)``: ``terms`` is
         a pytree of per-device terms in ``layout`` (a `TermsLayout`:
         unreduced or stacked, see this module), ``sums`` the same tree summed
@@ -41,11 +42,32 @@ class WindowReduction(NamedTuple):
         statistics see it (`WindowPosition.sum_sq_excess`): the noise
         scale subtracts it from the window's squared norm. False: the sums
         are exact.
+      per_device: whether the state holds something per device (an
+        error-feedback residual): ``init`` then also takes the
+        `TermsLayout`, and builds each device's part stacked on a leading
+        axis sharded over ``layout.axes`` (plain arrays, checkpointable),
+        e.g. `gradaccum_jax.compressed_window_reduction`.
+      place: ``place(state, layout, like) -> state`` for a ``per_device``
+        state: its per-device parts split over the layout's axes (and like
+        ``like``, the gradients or params, or None, over the others), a
+        no-op where they are: a state restored from host arrays arrives
+        unsplit, and the emission loop's carry must keep one type. None:
+        nothing to place.
     """
 
-    init: Callable[[Any], Any]
+    init: Callable[..., Any]
     reduce: Callable[[Any, TermsLayout, Any], tuple[Any, ...]]
     reports_sq_excess: bool = False
+    per_device: bool = False
+    place: Callable[[Any, TermsLayout, Any], Any] | None = None
+
+    def placed_state(self, state: Any, layout: TermsLayout, like: Any = None) -> Any:
+        """``state`` placed by `place` (as it is where there is none)."""
+        return state if self.place is None else self.place(state, layout, like)
+
+    def init_state(self, params: Any, layout: TermsLayout) -> Any:
+        """`init`'s state, given the layout where ``per_device``."""
+        return self.init(params, layout) if self.per_device else self.init(params)
 
     def reduce_window(
         self, terms: Any, layout: TermsLayout, state: Any

@@ -8,10 +8,14 @@ emission, a `WindowStatistic` observes each micro-batch and each closed
 window at a `WindowPosition`; the `TermsLayout` the engine hands them says
 where per-device terms live. `RunningMean`, `NoiseScaleState` and
 `TernaryAccumulatorState` are the states the built-in parts keep in a
-`gradaccum_jax.MultiStepsState`. docs/architecture.md, "Write your own
+`gradaccum_jax.MultiStepsState`. A `Codec` is what a compressed
+cross-device sum sends (`gradaccum_jax.codecs` builds them): it sums each
+device's input as a `CodecSum`, told where it runs by a `Wire`; its users
+keep a `CodecState`. docs/architecture.md, "Write your own
 part", shows each protocol at work.
 """
 
+from gradaccum_jax._codecs._protocol import Codec, CodecState, CodecSum, Wire
 from gradaccum_jax._noise_scale import NoiseScaleState
 from gradaccum_jax._partials import TermsLayout
 from gradaccum_jax._reduction import WindowReduction
@@ -24,6 +28,9 @@ from gradaccum_jax._window._accumulator import (
 )
 
 __all__ = [
+    "Codec",
+    "CodecState",
+    "CodecSum",
     "NoiseScaleState",
     "RunningMean",
     "TermsLayout",
@@ -32,5 +39,6 @@ __all__ = [
     "WindowPosition",
     "WindowReduction",
     "WindowStatistic",
+    "Wire",
     "float_accumulator",
 ]

@@ -27,7 +27,7 @@ from gradaccum_jax.measure import collectives
 API_TABLE_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "api_summary.md"
 
 # The public submodules: their names are public below the package's.
-PUBLIC_SUBMODULES = ("extend", "measure")
+PUBLIC_SUBMODULES = ("codecs", "extend", "measure")
 
 
 def _eager(fn):

@@ -43,6 +43,15 @@ VALID: dict[str, dict[str, Any]] = {
     "ternary_accumulate": {"opt": optax.sgd(0.1), "every_k": 2},
     "ternary_average_across_devices": {"axis_name": "devices", "seed": 0},
     "ternary_window_reduction": {"seed": 0},
+    "compressed_average_across_devices": {
+        "axis_name": "devices",
+        "codec": ga.codecs.topk(0.01),
+    },
+    "compressed_window_reduction": {"codec": ga.codecs.powersgd(2)},
+    "codecs.ternary": {},
+    "codecs.quantized": {},
+    "codecs.topk": {"density": 0.01},
+    "codecs.powersgd": {"rank": 4},
     "microbatched_value_and_grad": {"loss_fn": _loss, "num_microbatches": 2},
     "local_value_and_grad": {"loss_fn": _loss, "axis_name": "data"},
     "adaptive_every_k": {"micro_batch_size": 16, "k_min": 2, "k_max": 8},
@@ -110,6 +119,8 @@ TERNARY = (
     "ternary_window_reduction",
 )
 BAD_COUNTS = (0, -3, 2.5, 2.0, True, "4", None)
+COMPRESSED = ("compressed_average_across_devices", "compressed_window_reduction")
+CODECS = ("codecs.ternary", "codecs.quantized", "codecs.topk", "codecs.powersgd")
 
 TABLE: list[Row] = [
     # Accumulation windows.
@@ -306,6 +317,39 @@ TABLE: list[Row] = [
     Row("worker_value_and_grad", "loss_fn", (3, None), CALLABLE),
     Row("worker_value_and_grad", "axis_name", ("", None, 3, ("data",)), AXIS_NAME),
     Row("worker_value_and_grad", "has_aux", ("False", None), BOOL),
+    # Compression codecs and where they plug in.
+    *_rows_for(
+        COMPRESSED,
+        "codec",
+        ("topk", None, ga.codecs.topk, ga.ternary_window_reduction(0)),
+        r"must be a Codec",
+    ),
+    *_rows_for(COMPRESSED, "seed", (-1, 1.5, "0", None, True), INTEGER_GE_0),
+    *_rows_for(COMPRESSED, "seed", (2**32,), SEED_RANGE),
+    *_rows_for(COMPRESSED, "error_feedback", ("False", None), BOOL),
+    Row(
+        "compressed_average_across_devices",
+        "axis_name",
+        ("", None, 3, (), ["devices"]),
+        AXIS_NAME,
+    ),
+    *_rows_for(CODECS, "min_size", (-1, 2.5, "256", None, True), INTEGER_GE_0),
+    Row("codecs.ternary", "clip_sigma", (0.0, -2.5, NAN, INF, "2.5"), POSITIVE_FINITE),
+    Row(
+        "codecs.ternary",
+        "rounding",
+        ("nearby", "", 1, True),
+        r"one of 'stochastic', 'nearest'",
+    ),
+    Row("codecs.quantized", "bits", (2, 16, 32, 8.0, "8", True, None), r"8 or 4"),
+    Row(
+        "codecs.topk",
+        "density",
+        (0, 0.0, -0.1, 1.01, NAN, INF, "0.01", True, None),
+        r"number in \(0, 1\]",
+    ),
+    Row("codecs.topk", "bits", (1, 3, 16, 64, 2.0, "2", True, None), r"one of \(2, 4"),
+    Row("codecs.powersgd", "rank", BAD_COUNTS, INTEGER_GE_1),
 ]
 
 
@@ -343,8 +387,10 @@ def test_valid_arguments_construct():
             assert (codes.dtype, scale.dtype) == (jnp.int8, jnp.float32)
         elif name == "extend.float_accumulator":
             assert isinstance(built, ga.extend.WindowAccumulator)
-        elif name == "ternary_window_reduction":
+        elif name in ("ternary_window_reduction", "compressed_window_reduction"):
             assert isinstance(built, ga.extend.WindowReduction)
+        elif name.startswith("codecs."):
+            assert isinstance(built, ga.extend.Codec)
         elif name == "adaptive_every_k":
             assert isinstance(built, ga.AdaptiveWindow)
         elif name in (

@@ -41,6 +41,8 @@ TOP_LEVEL = [
     "average_across_devices",
     "clip",
     "clip_by_global_norm",
+    "compressed_average_across_devices",
+    "compressed_window_reduction",
     "diloco",
     "global_norm",
     "local_value_and_grad",
@@ -58,7 +60,11 @@ TOP_LEVEL = [
 ]
 
 SUBMODULES = {
+    "codecs": ["powersgd", "quantized", "ternary", "topk"],
     "extend": [
+        "Codec",
+        "CodecState",
+        "CodecSum",
         "NoiseScaleState",
         "RunningMean",
         "TermsLayout",
@@ -67,6 +73,7 @@ SUBMODULES = {
         "WindowPosition",
         "WindowReduction",
         "WindowStatistic",
+        "Wire",
         "float_accumulator",
     ],
     "measure": [
@@ -81,7 +88,7 @@ SUBMODULES = {
 
 
 def test_the_top_level_exports_what_a_user_trains_with():
-    assert len(TOP_LEVEL) == 30
+    assert len(TOP_LEVEL) == 32
     assert sorted(gradaccum_jax.__all__) == TOP_LEVEL
 
 

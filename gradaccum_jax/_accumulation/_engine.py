@@ -364,7 +364,14 @@ def lift(
     config: Configuration, state: MultiStepsState, layout: TermsLayout, like: Any = None
 ) -> MultiStepsState:
     """A reduced window (see `reduce`) made per-device terms again, its
-    leaves placed like ``like`` (the gradients or params), if given."""
+    leaves placed like ``like`` (the gradients or params), if given; the
+    window reduction's per-device state placed too (a no-op where it is)."""
+    if layout.axes:
+        state = state._replace(
+            reduction_state=config.reduction.placed_state(
+                state.reduction_state, layout, like
+            )
+        )
     if not layout.axes or layout.holds_terms(state.acc_weight, jnp.zeros([])):
         return state
 

@@ -105,7 +105,7 @@ def initial_state(config: Configuration, params: optax.Params) -> MultiStepsStat
         acc_weight=layout.zeros(jnp.zeros([], jnp.float32)),
         micro_steps=jnp.zeros([], jnp.int32),
         emitted=jnp.zeros([], jnp.bool_),
-        reduction_state=config.reduction.init(params),
+        reduction_state=config.reduction.init_state(params, layout),
         window_size=config.window_size.initial(),
         statistics={
             name: stat.init(params, layout) for name, stat in config.statistics.items()

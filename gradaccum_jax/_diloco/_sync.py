@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradaccum_jax._ternary._error_feedback import with_own_stream
+from gradaccum_jax._codecs._protocol import with_own_streams
 
 
 def wide(leaf: jax.Array) -> jax.Array:
@@ -105,10 +105,11 @@ def reduction_init(
     reduction: optax.GradientTransformation | None, fragment: list[Any], index: int
 ) -> Any:
     """The reduction's state over fragment ``index``'s float32 leaves and the
-    presence leaf; a ternary reduction's random bits are the fragment's own."""
+    presence leaf; a reduction's random streams (any state node with a
+    ``with_own_stream`` method) are the fragment's own."""
     if reduction is None:
         return optax.EmptyState()
     state = reduction.init([*fragment, jnp.ones([], jnp.float32)])
     # Fragment 0 keeps the seed as given: with one fragment, the state is
     # the reduction's own.
-    return with_own_stream(state, index) if index else state
+    return with_own_streams(state, index) if index else state

@@ -6,10 +6,12 @@
 - `_leaves`: which leaves are compressed, and the tree plumbing;
 - `_error_feedback`: the residual state shared by the next two;
 - `_ternarize`: `ternarize`, compression of each update;
-- `_device_mean`: `ternary_average_across_devices`, codes on the wire;
+- `_device_mean`: `ternary_average_across_devices`, codes on the wire (the
+  ternary codec of `gradaccum_jax._codecs` with TernGrad's rounding);
 - `_accumulator`: `ternary_accumulate`, an int8 window accumulator;
 - `_window_reduction`: `ternary_window_reduction`, a per-device window
-  summed with codes on the wire.
+  summed with codes on the wire (the same codec, in
+  `gradaccum_jax.compressed_window_reduction`'s map).
 """
 
 from gradaccum_jax._ternary._accumulator import (

@@ -50,6 +50,11 @@ class TernaryState(NamedTuple):
     key: jax.Array
     residual: optax.Updates
 
+    def with_own_stream(self, index: int) -> TernaryState:
+        """This state drawing from a random stream of its own for ``index``
+        (its seed word hashed with it; its step word kept)."""
+        return self._replace(key=_random.derive(self.key, index))
+
 
 def keeps_residual(
     error_feedback: bool, stochastic: bool, clip_sigma: float | None
@@ -67,22 +72,3 @@ def residual_init(params: Any, min_size: int, keep_residual: bool) -> Any:
         return NoResidual(tuple(np.shape(param)))
 
     return jax.tree.map(leaf_init, params)
-
-
-def with_own_stream(state: Any, index: int) -> Any:
-    """``state`` with each `TernaryState`'s random stream derived for ``index``.
-
-    One transformation's states used side by side (DiLoCo's fragments, each
-    reduced with the same ``outer_reduction``) would otherwise start from
-    the same seed and step, and round alike: the same bits at the same leaf
-    positions. Any other part of ``state`` is returned as it is.
-    """
-
-    def reseeded(node):
-        if isinstance(node, TernaryState):
-            return node._replace(key=_random.derive(node.key, index))
-        return node
-
-    return jax.tree.map(
-        reseeded, state, is_leaf=lambda node: isinstance(node, TernaryState)
-    )

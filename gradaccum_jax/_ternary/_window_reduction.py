@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import jax
-
 from gradaccum_jax import _reduction
+from gradaccum_jax._codecs import _mean
+from gradaccum_jax._codecs._protocol import CodecState
+from gradaccum_jax._codecs._ternary import ternary_codec
+from gradaccum_jax._codecs._window import reduce_terms
 from gradaccum_jax._ternary import _random
-from gradaccum_jax._ternary._device_mean import ternary_mean_and_sq_excess
-from gradaccum_jax._ternary._error_feedback import TernaryState, residual_init
 from gradaccum_jax._ternary._leaves import (
     DEFAULT_MIN_SIZE,
     common_config,
@@ -32,7 +32,9 @@ def ternary_window_reduction(
     packed integer all-reduce, and the result times ``n`` is the window's
     sum, bitwise identical on every device: `ternary_average_across_devices`
     run in a ``jax.shard_map`` over ``unreduced_axes`` on the per-device
-    terms, with its wire format (1/7 of the float32 bytes with 8 devices).
+    terms, with its wire format (1/7 of the float32 bytes with 8 devices):
+    `gradaccum_jax.compressed_window_reduction` with TernGrad's rounding
+    and no error feedback, its state the random counter alone.
 
     With ``clip_sigma=None`` the emitted sum is an unbiased estimate of the
     exact window sum; TernGrad's clipping trades a small bias for less
@@ -83,29 +85,26 @@ def ternary_window_reduction(
     seed, clip_sigma, min_size = common_config(seed, clip_sigma, min_size)
     # The window weight (one element) must stay exact: it decides whether
     # the window steps and divides the sum.
-    min_size = max(min_size, 2)
+    codec = ternary_codec(clip_sigma, "stochastic", max(min_size, 2), "ternary codes")
 
     def init_fn(params):
         real_leaves(params, "ternary_window_reduction: params")
         return _random.seed_state(seed)
 
     def reduce_fn(terms, layout, key):
-        axis = tuple(sorted(layout.axes))
-        axis = axis[0] if len(axis) == 1 else axis
-
-        def local(blocks, splits, key):
-            # Each device codes its own block of a split leaf (a
-            # tensor-parallel term): nothing is gathered over its split.
-            state = TernaryState(key, residual_init(blocks, min_size, False))
-            means, state, sq_excess = ternary_mean_and_sq_excess(
-                axis, clip_sigma, min_size, blocks, state, splits
-            )
-            num_devices = jax.lax.axis_size(axis)
-            sums = jax.tree.map(lambda mean: mean * num_devices, means)
-            # The sums are the means times n: their squared norm n^2 times.
-            return sums, (state.key, sq_excess * num_devices**2)
-
-        sums, (key, sq_excess) = layout.over_term_blocks(local)(terms, key)
-        return sums, key, sq_excess
+        axes = tuple(sorted(layout.axes))
+        config = _mean.Reduce(
+            codec,
+            axes[0] if len(axes) == 1 else axes,
+            error_feedback=False,
+            mean=False,
+            report_sq_excess=True,
+            caller="ternary_window_reduction",
+        )
+        # No residual and a codec without state: the counter is the state.
+        sums, state, sq_excess = reduce_terms(
+            config, terms, layout, CodecState(key, [], ())
+        )
+        return sums, state.key, sq_excess
 
     return _reduction.WindowReduction(init_fn, reduce_fn, reports_sq_excess=True)

@@ -1,0 +1,11 @@
+"""Compression codecs: one protocol for every compressed cross-device sum.
+
+- `_protocol`: the `Codec` protocol, its `Wire` and `CodecSum`, the state
+  `CodecState`;
+- `_mean`: what every codec shares (weights, exact leaves, error feedback,
+  non-finite devices) around one codec's sum;
+- `_average`: `compressed_average_across_devices` (pmap / shard_map);
+- `_window`: `compressed_window_reduction` (a window's per-device terms);
+- `_packing`: integer codes summed exactly, several per uint32 word;
+- `_ternary`, `_quantized`, `_topk`, `_powersgd`: the codecs.
+"""

@@ -1,0 +1,237 @@
+"""A codec plugged into a cross-device mean or sum: what every codec shares.
+
+`reduce_with_codec` runs on each device inside a map over the devices. It
+sums the leaves a codec does not compress exactly (with the total weight,
+in one float32 all-reduce), hands the codec each device's input (its share
+of the mean plus what it has not sent before), keeps the error-feedback
+residual, drops a device of zero weight (a select: its NaNs stay out),
+marks a leaf that some device could not code as NaN, and advances the
+random counter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gradaccum_jax import _checks, _tree, _weights
+from gradaccum_jax._codecs._protocol import Codec, CodecState, CodecSum, Wire
+from gradaccum_jax._ternary import _blocks, _random
+from gradaccum_jax._ternary._leaves import NoResidual, is_masked
+
+
+class Reduce(NamedTuple):
+    """One configured reduction with a codec.
+
+    Attributes:
+      codec: the codec.
+      axis: the mapped axis (or tuple of axes) summed over.
+      error_feedback: keep each device's residual for the next call.
+      mean: the (weighted) mean of the updates (each device's input is its
+        share of it); False: the plain sum of per-device terms.
+      report_sq_excess: also return the codec's `CodecSum.sq_excess`.
+      caller: the public name, for messages.
+    """
+
+    codec: Codec
+    axis: Any
+    error_feedback: bool
+    mean: bool = True
+    report_sq_excess: bool = False
+    caller: str = "compressed_average_across_devices"
+
+    @property
+    def keeps_residual(self) -> bool:
+        """Whether a residual is kept (a codec whose `sent` is its input's
+        expectation and which never clips has nothing to keep)."""
+        return self.error_feedback and self.codec.keeps_residual
+
+
+def coded(codec: Codec, leaf: Any) -> bool:
+    """Whether ``codec`` compresses ``leaf`` (static: from its shape)."""
+    return bool(codec.compresses(tuple(np.shape(leaf))))
+
+
+def state_init(config: Reduce, params: Any, seed: int) -> CodecState:
+    """The state before the first call: zero residuals, the codec's own."""
+    key = _random.seed_state(seed)
+
+    def residual(param):
+        if config.keeps_residual and coded(config.codec, param):
+            return _tree.zeros_like(param, jnp.float32)
+        return NoResidual(tuple(np.shape(param)))
+
+    shapes = [
+        jax.ShapeDtypeStruct(np.shape(leaf), jnp.float32)
+        for leaf in jax.tree.leaves(params)
+        if coded(config.codec, leaf)
+    ]
+    return CodecState(
+        key, jax.tree.map(residual, params), config.codec.init(shapes, key)
+    )
+
+
+def check_grown(updates: Any, residual: Any, config: Reduce) -> None:
+    """Raises, naming the leaf, if a leaf is coded where the state keeps no
+    residual for it (the state was initialized with other params)."""
+    if not config.keeps_residual:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
+    slots = jax.tree.leaves(residual, is_leaf=is_masked)
+    for (path, leaf), slot in zip(leaves, slots, strict=True):
+        if coded(config.codec, leaf) and is_masked(slot):
+            raise ValueError(
+                f"{config.caller}: updates leaf {jax.tree_util.keystr(path)} "
+                f"has shape {np.shape(leaf)}, which {config.codec.name} "
+                "compresses, but the state was initialized with a leaf it "
+                "does not compress there (no residual): initialize the state "
+                "with the parameters the updates come from."
+            )
+
+
+def reduce_with_codec(
+    config: Reduce,
+    updates: Any,
+    state: CodecState,
+    weight: Any,
+    splits: list[_blocks.Split] | None = None,
+) -> tuple[Any, CodecState, jax.Array]:
+    """The mean (or sum) of ``updates`` over the devices, the new state, and
+    what the codes add to its squared norm (0 unless asked and known).
+
+    ``splits`` as in `Wire.splits`, for every leaf (None: all whole).
+    """
+    num_devices = _checks.bound_axis_size(config.axis, config.caller)
+    leaves, treedef = jax.tree.flatten(updates)
+    splits = splits or [_blocks.WHOLE] * len(leaves)
+    residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    compressed = [i for i, x in enumerate(leaves) if coded(config.codec, x)]
+    exact = [i for i in range(len(leaves)) if i not in compressed]
+    results = list(leaves)
+    exact_results, share, has_weight = _exact(
+        config, leaves, exact, weight, num_devices
+    )
+    for i, result in exact_results.items():
+        results[i] = result
+
+    # This device's input: its share of the result, plus what it did not
+    # send before.
+    inputs = [
+        _weights.weighted(share, leaves[i].astype(jnp.float32)) for i in compressed
+    ]
+    if config.keeps_residual:
+        inputs = [x + residuals[i] for x, i in zip(inputs, compressed, strict=True)]
+    wire = Wire(
+        config.axis,
+        num_devices,
+        jax.lax.axis_index(config.axis),
+        [splits[i] for i in compressed],
+        tuple(compressed),
+        config.error_feedback,
+        config.report_sq_excess,
+    )
+    coded_sum = _sum_on_blocks(config.codec, inputs, state.codec, state.key, wire)
+    new_residuals = list(residuals)
+    for j, i in enumerate(compressed):
+        finite = coded_sum.finite[j]
+        result = jnp.where(finite, coded_sum.sums[j], jnp.nan)
+        results[i] = jnp.where(has_weight, result, 0.0).astype(leaves[i].dtype)
+        if config.keeps_residual:
+            new_residuals[i] = jnp.where(
+                finite & has_weight, inputs[j] - coded_sum.sent[j], residuals[i]
+            )
+    # A zero total weight (nothing seen anywhere) or a non-finite leaf
+    # leaves the codec's state as it was (a warm start poisoned by a NaN
+    # would spoil every later call), as it leaves the residuals.
+    keep = has_weight & jnp.all(jnp.stack([jnp.asarray(True), *coded_sum.finite]))
+    codec_state = jax.tree.map(
+        lambda new, old: jnp.where(keep, new, old), coded_sum.state, state.codec
+    )
+    residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
+    new_state = CodecState(
+        _random.advance(state.key),
+        jax.tree.unflatten(residual_treedef, new_residuals),
+        codec_state,
+    )
+    sq_excess = coded_sum.sq_excess
+    sq_excess = jnp.zeros([], jnp.float32) if sq_excess is None else sq_excess
+    return (
+        jax.tree.unflatten(treedef, results),
+        new_state,
+        jnp.where(has_weight, sq_excess, 0.0),
+    )
+
+
+def _sum_on_blocks(
+    codec: Codec, inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire
+) -> CodecSum:
+    """``codec.sum`` with each input seen as the block its device holds.
+
+    An input split over other mesh axes by explicit sharding (a
+    tensor-parallel ``f32[32,64@model]`` leaf, inside a ``shard_map`` over
+    the reduction axis alone) is coded where it lies: in a ``shard_map``
+    manual over the axes that split it, each device codes its own block,
+    told the split by `Wire.splits` (what the window's map does for its
+    terms). Nothing is gathered, and a codec never reshapes a split array,
+    which JAX cannot do without moving it.
+    """
+    specs = [P(*_tree.partitions(x)) for x in inputs]
+    split_axes = _tree.mesh_axes_in(tuple(part for spec in specs for part in spec))
+    if not split_axes:
+        return codec.sum(inputs, state, key, wire)
+    blocks_wire = wire._replace(splits=[tuple(spec) for spec in specs])
+    return jax.shard_map(
+        lambda inputs, state, key, device: codec.sum(
+            inputs, state, key, blocks_wire._replace(device=device)
+        ),
+        in_specs=(specs, P(), P(), P()),
+        out_specs=CodecSum._make([specs, specs, P(), P(), P()]),
+        axis_names=set(split_axes),
+        check_vma=False,
+    )(inputs, state, key, wire.device)
+
+
+def _exact(
+    config: Reduce,
+    leaves: list[jax.Array],
+    exact: list[int],
+    weight: Any,
+    num_devices: int,
+) -> tuple[dict[int, jax.Array], jax.Array, jax.Array]:
+    """The total weight and the uncompressed leaves' sums in one all-reduce.
+
+    Returns those leaves' results (means or sums) by index, this device's
+    share of the result and whether the total weight is nonzero.
+    """
+    # A device's term is a select, not a multiply, so a weight-0 device's
+    # NaN gradients contribute nothing (0 * NaN).
+    if weight is None:
+        raw = jnp.float32(1.0)
+        sums = _psum_list([leaves[i].astype(jnp.float32) for i in exact], config.axis)
+        total = jnp.float32(num_devices)
+    else:
+        raw = _weights.scalar_weight(weight, config.caller)
+        sums = [_weights.weighted(raw, leaves[i].astype(jnp.float32)) for i in exact]
+        total, *sums = _psum_list([raw, *sums], config.axis)
+    if not config.mean:
+        return (
+            {i: s.astype(leaves[i].dtype) for i, s in zip(exact, sums, strict=True)},
+            jnp.float32(1.0),
+            jnp.asarray(True),
+        )
+    share, has_weight = _weights.share(raw, total)
+    inverse_total = _weights.share(jnp.float32(1.0), total)[0]
+    means = {
+        i: (leaf_sum * inverse_total).astype(leaves[i].dtype)
+        for i, leaf_sum in zip(exact, sums, strict=True)
+    }
+    return means, share, has_weight
+
+
+def _psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
+    """psum of several arrays in one (variadic) all-reduce."""
+    return list(jax.lax.psum(values, axis)) if values else []

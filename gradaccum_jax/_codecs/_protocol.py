@@ -1,0 +1,154 @@
+"""The codec protocol: what a compressed cross-device sum asks of a codec.
+
+A codec turns each device's tensor into what goes over the wire and back
+into the cross-device sum, inside a map over the devices (``jax.pmap``,
+``jax.shard_map`` or the window's own map over its per-device terms). The
+code that plugs a codec in (`_codecs._mean`) does what every codec shares:
+the weights and shares of a weighted mean, the leaves too small to compress
+(summed exactly in float32, with the total weight, in one all-reduce), the
+error-feedback residual, a non-finite device, a zero total weight, and the
+state's random counter. A codec only sums what it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from gradaccum_jax._ternary import _blocks, _random
+
+
+class Wire(NamedTuple):
+    """Where a codec runs: the devices it sums over and how its leaves lie.
+
+    Attributes:
+      axis: the bound mapped axis (or tuple of axes) the sum runs over.
+      num_devices: the number of devices over ``axis``.
+      device: int32, this device's index over ``axis``.
+      splits: per leaf, how this device's input is a block of a leaf split
+        over other manual mesh axes (``_ternary._blocks.Split``, ``()``:
+        whole). A codec computes what depends on the whole leaf (a scale, a
+        Gram matrix) with collectives over those axes and codes the block.
+      leaves: per input, its index among all the leaves of the tree (the
+        leaf number of its random stream).
+      error_feedback: whether the caller keeps ``inputs - sent`` for the
+        next call (see `CodecSum.sent`).
+      report_sq_excess: whether the caller wants `CodecSum.sq_excess`.
+    """
+
+    axis: Any
+    num_devices: int
+    device: jax.Array
+    splits: list[_blocks.Split]
+    leaves: tuple[int, ...]
+    error_feedback: bool
+    report_sq_excess: bool = False
+
+
+class CodecSum(NamedTuple):
+    """What a codec returns for one sum over the devices.
+
+    Attributes:
+      sums: per leaf, the estimate of the sum over the devices of their
+        inputs, float32, bitwise the same on every device of ``axis``.
+      sent: per leaf, this device's input as the others received it (its
+        share of ``sums``): the error-feedback residual is ``inputs -
+        sent``. A codec whose rounding is unbiased and would not be helped
+        by feeding its noise back may return its expectation instead.
+      finite: per leaf, a bool scalar, the same on every device: False when
+        any device's input held a NaN or an infinity (found in a collective
+        the codec runs anyway: a non-finite scale marked +inf, a NaN sum).
+      state: the codec's new per-device state.
+      sq_excess: a float32 scalar, ``E|sums|^2 - |exact sums|^2`` over the
+        codec's random draws, the same on every device, when
+        ``wire.report_sq_excess`` and the codec knows it; else None.
+    """
+
+    sums: list[jax.Array]
+    sent: list[jax.Array]
+    finite: list[jax.Array]
+    state: Any
+    sq_excess: jax.Array | None = None
+
+
+class Codec(NamedTuple):
+    """A compressed cross-device sum (`gradaccum_jax.codecs` builds them).
+
+    Attributes:
+      name: what the codec is, for messages (``"topk(density=0.01, bits=2)"``).
+      compresses: ``compresses(shape) -> bool``, static: whether a leaf of
+        this shape is coded; the others are summed exactly in float32.
+      init: ``init(shapes, key) -> state``: the codec's own per-device state
+        for the coded leaves, given as ``jax.ShapeDtypeStruct`` (whole leaf
+        shapes) in order, e.g. PowerSGD's warm-started ``Q``; ``key`` is
+        the ``uint32[2]`` counter of the caller's seed. ``()`` if none.
+      sum: ``sum(inputs, state, key, wire) -> CodecSum``: ``inputs`` are
+        this device's float32 inputs of the coded leaves (blocks, as
+        ``wire.splits`` says), ``key`` the ``uint32[2]`` counter of this
+        call (the same on every device: draw per device with
+        ``_ternary._random.stream(key, leaf, wire.device)``).
+      reports_sq_excess: whether ``sum`` fills `CodecSum.sq_excess` when
+        asked.
+      keeps_residual: False for a codec whose `CodecSum.sent` always equals
+        its inputs (nothing for error feedback to keep: no residual array).
+    """
+
+    name: str
+    compresses: Callable[[tuple[int, ...]], bool]
+    init: Callable[[list[jax.ShapeDtypeStruct], jax.Array], Any]
+    sum: Callable[[list[jax.Array], Any, jax.Array, Wire], CodecSum]
+    reports_sq_excess: bool = False
+    keeps_residual: bool = True
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class CodecState(NamedTuple):
+    """The state of `gradaccum_jax.compressed_average_across_devices`.
+
+    The same NamedTuple, stacked on a leading device axis, is the per-device
+    part of `gradaccum_jax.compressed_window_reduction`'s state.
+
+    Attributes:
+      key: ``uint32[2] = (seed, step)``, the counter of the codec's random
+        draws, advanced on every call; the same on every device.
+      residual: per leaf, float32: what this device has not sent yet (error
+        feedback), added to its next input; a ``NoResidual`` (its shape, no
+        array) for leaves that keep none.
+      codec: the codec's own state (`Codec.init`), ``()`` if none.
+    """
+
+    key: jax.Array
+    residual: optax.Updates
+    codec: Any = ()
+
+    def with_own_stream(self, index: int) -> CodecState:
+        """This state drawing from a random stream of its own for ``index``."""
+        return self._replace(key=_random.derive(self.key, index))
+
+
+def with_own_streams(state: Any, index: int) -> Any:
+    """``state`` with each random stream in it derived for ``index``.
+
+    One reduction's states used side by side (DiLoCo's fragments, each
+    reduced with the same ``outer_reduction``) would otherwise start from
+    the same seed and step, and draw alike. A state node that draws random
+    bits says how to give it a stream of its own: a ``with_own_stream(index)``
+    method (`CodecState`, `gradaccum_jax.TernaryState`); any other node is
+    returned as it is.
+    """
+
+    def has_stream(node: Any) -> bool:
+        return callable(getattr(node, "with_own_stream", None)) and isinstance(
+            node, tuple
+        )
+
+    return jax.tree.map(
+        lambda node: node.with_own_stream(index) if has_stream(node) else node,
+        state,
+        is_leaf=has_stream,
+    )

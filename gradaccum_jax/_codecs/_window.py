@@ -1,0 +1,289 @@
+"""`compressed_window_reduction`: a window's per-device terms summed by a codec.
+
+Each device keeps its own part of the state (its error-feedback residual,
+the codec's own state), stacked on a leading device axis sharded over the
+window's mesh axes: plain arrays, checkpointable like the per-device
+window. A residual keeps its leaf's split over other axes (a
+tensor-parallel ``model`` split): each device codes, sends and keeps its
+own block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gradaccum_jax import _checks, _partials, _placement, _reduction, _tree
+from gradaccum_jax._codecs import _mean
+from gradaccum_jax._codecs._average import codec_argument
+from gradaccum_jax._codecs._protocol import Codec, CodecState
+from gradaccum_jax._ternary import _blocks
+from gradaccum_jax._ternary._leaves import NoResidual, is_masked, real_leaves
+
+_CALLER = "compressed_window_reduction"
+
+
+def window_codec(codec: Codec) -> Codec:
+    """``codec`` that never codes a leaf of one element: the window's weight
+    decides whether the window steps and divides its sum, and stays exact."""
+    return codec._replace(
+        compresses=lambda shape: (
+            int(np.prod(shape, dtype=np.int64)) > 1 and codec.compresses(shape)
+        )
+    )
+
+
+def compressed_window_reduction(
+    codec: Codec, *, seed: int = 0, error_feedback: bool = True
+) -> _reduction.WindowReduction:
+    """Sums a window's per-device terms over the devices with ``codec``.
+
+    For `MultiSteps` with ``unreduced_axes`` (``window_reduction=``): at the
+    emitting call each device holds its term ``S_d`` of the window's sum.
+    Instead of a float32 all-reduce of the ``S_d``, ``codec`` sums them
+    (`gradaccum_jax.compressed_average_across_devices` run on each device's
+    term, its sum instead of its mean); leaves the codec does not compress,
+    the window's weight among them, are summed exactly.
+
+    With ``error_feedback`` each device keeps what it did not send,
+    ``S_d + residual_d - sent_d``, and adds it to its next window's term:
+    the state holds one residual per device, stacked on a leading axis
+    sharded over ``unreduced_axes`` (and split like the param over other
+    axes), so a checkpoint saves and restores it mid-window like the
+    window itself. A window of zero total weight is not applied, yet its
+    residuals move on: only the residuals themselves are coded then.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import gradaccum_jax as ga
+    >>> from jax.sharding import AxisType
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    >>> reduction = ga.compressed_window_reduction(
+    ...     ga.codecs.topk(density=0.25, bits=32, min_size=1)
+    ... )
+    >>> opt = ga.MultiSteps(
+    ...     optax.sgd(1.0), 2, unreduced_axes="data", window_reduction=reduction
+    ... )
+    >>> def loss_fn(w, x):
+    ...     return jnp.mean(x @ w)
+    >>> w, x = jnp.zeros(4), jnp.arange(32.0).reshape(8, 4)
+    >>> with jax.set_mesh(mesh):
+    ...     state = opt.init(w)
+    ...     grad_fn = jax.jit(ga.local_value_and_grad(loss_fn))
+    ...     for _ in range(2):
+    ...         _, grads = grad_fn(w, x)
+    ...         updates, state = jax.jit(opt.update)(grads, state, w)
+    >>> updates  # each device sent its largest element; the rest waits
+    Array([ -0.,  -0.,  -0., -17.], dtype=float32)
+
+    Args:
+      codec: what goes on the wire, from `gradaccum_jax.codecs`.
+      seed: an integer in [0, 2**32 - 1]: the codec's random draws.
+      error_feedback: keep each device's unsent part for its next window.
+
+    Returns:
+      A `gradaccum_jax.extend.WindowReduction` whose state is a
+      `gradaccum_jax.extend.CodecState` (residuals stacked per device).
+    """
+    codec = window_codec(codec_argument(codec))
+    seed = _checks.prng_seed("seed", seed)
+    error_feedback = _checks.boolean("error_feedback", error_feedback)
+
+    def init_fn(params, layout):
+        real_leaves(params, f"{_CALLER}: params")
+        config = _config(codec, layout, error_feedback)
+        whole = _mean.state_init(config, params, seed)
+        return CodecState(
+            whole.key,
+            jax.tree.map(
+                lambda leaf: _per_device(leaf, layout, _tree.partitions(leaf)),
+                whole.residual,
+            ),
+            jax.tree.map(lambda leaf: _per_device(leaf, layout, ()), whole.codec),
+        )
+
+    def reduce_fn(terms, layout, state):
+        config = _config(codec, layout, error_feedback, codec.reports_sq_excess)
+        sums, state, sq_excess = reduce_terms(config, terms, layout, state)
+        return (sums, state, sq_excess) if codec.reports_sq_excess else (sums, state)
+
+    return _reduction.WindowReduction(
+        init_fn,
+        reduce_fn,
+        reports_sq_excess=codec.reports_sq_excess,
+        per_device=True,
+        place=place_state,
+    )
+
+
+def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
+    """``state``'s per-device parts split over the layout's axes, and each
+    residual like its leaf of ``like`` (the gradients or params) over the
+    others: a state restored from host arrays has lost both splits."""
+    residual_slots = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    like_leaves = (
+        jax.tree.leaves(like)
+        if like is not None
+        and len(jax.tree.leaves(like)) == len(residual_slots)
+        and not isinstance(layout, _partials.Stacked)  # stacked: whole leaves
+        else [None] * len(residual_slots)
+    )
+    placed = [
+        slot
+        if is_masked(slot)
+        else _place(
+            slot,
+            _device_spec(
+                layout,
+                _tree.partitions(slot)[1:]
+                if leaf is None
+                else _tree.partitions(leaf)[: jnp.ndim(slot) - 1],
+            ),
+        )
+        for slot, leaf in zip(residual_slots, like_leaves, strict=True)
+    ]
+    treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
+    return CodecState(
+        state.key,
+        jax.tree.unflatten(treedef, placed),
+        jax.tree.map(lambda leaf: _place(leaf, _device_spec(layout, ())), state.codec),
+    )
+
+
+def _config(
+    codec: Codec, layout: Any, error_feedback: bool, sq_excess: bool = False
+) -> _mean.Reduce:
+    axes = tuple(sorted(layout.axes))
+    axis = axes[0] if len(axes) == 1 else axes
+    return _mean.Reduce(codec, axis, error_feedback, False, sq_excess, _CALLER)
+
+
+def _device_spec(layout: Any, parts: tuple[Any, ...]) -> P:
+    """A per-device state leaf's spec: stacked over the layout's axes, then
+    split like its leaf (``parts``) over the others."""
+    axes = tuple(sorted(layout.axes))
+    return P(axes[0] if len(axes) == 1 else axes, *parts)
+
+
+def _per_device(leaf: Any, layout: Any, parts: tuple[Any, ...]) -> Any:
+    """``leaf`` (one device's) repeated for every device, stacked and placed."""
+    if is_masked(leaf):
+        return leaf
+    stacked = jnp.broadcast_to(leaf, (layout.device_count(), *jnp.shape(leaf)))
+    return _place(stacked, _device_spec(layout, parts))
+
+
+def _place(leaf: jax.Array, spec: P) -> jax.Array:
+    """``leaf`` split as ``spec``; a host array (a restored checkpoint) too."""
+    axis = spec[0] if isinstance(spec[0], str) else spec[0][0]
+    if _placement.is_explicit(axis):
+        return _placement.placed(leaf, spec)
+    return jax.lax.with_sharding_constraint(leaf, spec)
+
+
+def reduce_terms(
+    config: _mean.Reduce, terms: Any, layout: Any, state: CodecState
+) -> tuple[Any, CodecState, jax.Array]:
+    """The window's terms summed with the codec: ``(sums, state, sq_excess)``.
+
+    ``state.residual`` holds the params' leaves, stacked per device; the
+    terms may have more leaves after them (the window's weight, the
+    statistics' terms), which the codec must not compress.
+    """
+    leaves, treedef = jax.tree.flatten(terms)
+    residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    stacked = isinstance(layout, _partials.Stacked)
+    parts = [() if stacked else _tree.partitions(leaf) for leaf in leaves]
+    slots = _residual_slots(config, leaves, residuals, stacked)
+    residual_specs = [
+        None if is_masked(slot) else _device_spec(layout, parts[i])
+        for i, slot in enumerate(slots)
+    ]
+    state_spec = _device_spec(layout, ())
+    if stacked:
+        term_specs = [P(layout.axis)] * len(leaves)
+    else:
+        term_specs = [P(*p, unreduced=set(layout.axes)) for p in parts]
+    arrays = [slot for slot in slots if not is_masked(slot)]
+    array_specs = [spec for spec in residual_specs if spec is not None]
+
+    def local(leaves, key, arrays, codec_state):
+        if stacked:
+            leaves = [leaf[0] for leaf in leaves]
+        unstacked = iter([a[0] for a in arrays])
+        device_slots = [slot if is_masked(slot) else next(unstacked) for slot in slots]
+        codec_state = jax.tree.map(lambda leaf: leaf[0], codec_state)
+        splits = [_blocks.WHOLE if stacked else p for p in parts]
+        sums, new, sq_excess = _mean.reduce_with_codec(
+            config,
+            leaves,
+            CodecState(key, device_slots, codec_state),
+            None,
+            splits,
+        )
+        new_arrays = [
+            r[None]
+            for r, slot in zip(new.residual, slots, strict=True)
+            if not is_masked(slot)
+        ]
+        new_codec = jax.tree.map(lambda leaf: leaf[None], new.codec)
+        return sums, new.key, sq_excess, new_arrays, new_codec
+
+    # Unchecked, as the layouts' own maps over terms: the results are
+    # collectives' (the same on every device) or each device's own.
+    sums, key, sq_excess, arrays, codec_state = jax.shard_map(
+        local,
+        in_specs=(term_specs, P(), array_specs, state_spec),
+        out_specs=(
+            [P()] * len(leaves) if stacked else [P(*p) for p in parts],
+            P(),
+            P(),
+            array_specs,
+            state_spec,
+        ),
+        check_vma=False,
+    )(
+        leaves,
+        state.key,
+        [_place(a, s) for a, s in zip(arrays, array_specs, strict=True)],
+        jax.tree.map(lambda leaf: _place(leaf, state_spec), state.codec),
+    )
+    new_arrays = iter(arrays)
+    new_residuals = [slot if is_masked(slot) else next(new_arrays) for slot in slots][
+        : len(residuals)
+    ]
+    residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
+    new_state = CodecState(
+        key, jax.tree.unflatten(residual_treedef, new_residuals), codec_state
+    )
+    return jax.tree.unflatten(treedef, sums), new_state, sq_excess
+
+
+def _residual_slots(
+    config: _mean.Reduce, leaves: list[Any], residuals: list[Any], stacked: bool
+) -> list[Any]:
+    """A residual slot per term leaf: the state's for the params' leaves,
+    none for the leaves after them (the weight, the statistics' terms)."""
+    if len(leaves) < len(residuals):
+        raise ValueError(
+            f"{_CALLER}: the window has {len(leaves)} leaves, but the state was "
+            f"initialized with params of {len(residuals)}: initialize it with "
+            "the params the gradients come from."
+        )
+    slots = list(residuals)
+    for i, leaf in enumerate(leaves):
+        shape = tuple(np.shape(leaf))[1:] if stacked else tuple(np.shape(leaf))
+        if i >= len(residuals):
+            if config.keeps_residual and config.codec.compresses(shape):
+                raise ValueError(
+                    f"{_CALLER}: the window's extra term {i - len(residuals)} "
+                    f"(shape {shape}) would be compressed by {config.codec.name}, "
+                    "which keeps no residual for it."
+                )
+            slots.append(NoResidual(shape))
+    return slots

@@ -1,0 +1,598 @@
+"""The codecs (`gradaccum_jax.codecs`) plugged into a device mean and a window.
+
+Under ``jax.pmap`` (8 devices): the bytes each device receives, read from
+the compiled HLO; error feedback that loses nothing over time; PowerSGD's
+exact low rank, layer by layer; top-k at full density and precision; zero
+weights and non-finite devices. On a mesh (`compressed_window_reduction`):
+1-D and 2-D meshes, Explicit and Auto axes, replicated and tensor-parallel
+params, float32 and bfloat16, pairwise; a checkpoint taken mid-window.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import gradaccum_jax as ga
+from gradaccum_jax import codecs
+from helpers import moved_arrays
+
+N = 8
+
+# A matrix (8192 elements), a scanned stack of 3 layers, and a bias.
+SHAPES = {"w": (64, 128), "s": (3, 32, 48), "b": (128,)}
+
+
+def _grads(seed, shapes=SHAPES):
+    rng = np.random.default_rng(seed)
+    return {
+        name: rng.standard_normal((N, *shape)).astype(np.float32)
+        for name, shape in shapes.items()
+    }
+
+
+def _params(shapes=SHAPES):
+    return {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+
+
+def _replicate(tree):
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (N, *jnp.shape(x))), tree)
+
+
+def _received_bytes(compiled):
+    """Bytes one device receives, by the ring estimates: an all-reduce of S
+    bytes over n devices 2 (n - 1) / n S, an all-gather of output S (n - 1)
+    / n S; every collective counted."""
+    total = 0.0
+    for op in ga.measure.collectives(compiled):
+        n = op.group_size
+        if op.kind == "all-reduce":
+            total += 2 * (n - 1) / n * op.nbytes
+        elif op.kind == "all-gather":
+            total += (n - 1) / n * op.nbytes
+        else:
+            raise AssertionError(f"unexpected {op.kind}")
+    return total
+
+
+def _compiled_mean(tx, shapes=SHAPES):
+    grads = jax.eval_shape(lambda: _grads(0, shapes))
+    state = jax.eval_shape(lambda: _replicate(tx.init(_params(shapes))))
+    return jax.pmap(tx.update, axis_name="i").lower(grads, state).compile()
+
+
+RING = 2 * (N - 1) / N
+
+
+@pytest.mark.parametrize(
+    ("codec", "coded_bytes", "fraction"),
+    [
+        # int8: 2 codes per uint32 word with 8 devices (4096 words: the
+        # sums of 8 devices' codes need 12 bits), one int8 exponent per
+        # block of 32.
+        (codecs.quantized(bits=8), RING * (4 * 4096 + 8192 // 32), 0.52),
+        # E2M1: 4 codes per word.
+        (codecs.quantized(bits=4), RING * (4 * 2048 + 8192 // 32), 0.27),
+        # 64 of each chunk of 4096 (1/64), index and 2-bit code in a uint16,
+        # a float32 scale per chunk; gathered from the 8 devices.
+        (codecs.topk(1 / 64), (N - 1) / N * N * 2 * (64 * 2 + 4), 0.05),
+        # P (64 x 4) and Q (128 x 4), two all-reduces.
+        (codecs.powersgd(4), RING * 4 * (64 * 4 + 128 * 4), 0.11),
+    ],
+    ids=["int8", "e2m1", "topk", "powersgd"],
+)
+def test_wire_bytes_from_the_compiled_hlo(codec, coded_bytes, fraction):
+    shapes = {"w": SHAPES["w"], "b": SHAPES["b"]}
+    float_bytes = _received_bytes(
+        jax.pmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")
+        .lower(jax.eval_shape(lambda: _grads(0, shapes)))
+        .compile()
+    )
+    assert float_bytes == RING * 4 * (8192 + 128)
+    tx = ga.compressed_average_across_devices("i", codec)
+    received = _received_bytes(_compiled_mean(tx, shapes))
+    # The bias goes exactly, in float32.
+    assert received == pytest.approx(coded_bytes + RING * 4 * 128)
+    assert received < fraction * float_bytes
+
+
+# --- error feedback -------------------------------------------------------
+
+
+def _running_mean_errors(tx, steps, grads):
+    """Relative error of the running mean of the returned means after each
+    of ``steps`` (a tuple), on constant inputs."""
+
+    def run(g, state):
+        def step(state, _):
+            mean, state = tx.update(g, state)
+            return state, mean
+
+        return jax.lax.scan(step, state, None, length=max(steps))[1]
+
+    state = _replicate(tx.init(_params()))
+    means = jax.pmap(run, axis_name="i")(grads, state)
+    errors = []
+    for name in ("w", "s"):
+        series = np.asarray(means[name][0], np.float64)  # device 0's
+        target = np.asarray(grads[name], np.float64).mean(0)
+        cumulative = np.cumsum(series, axis=0)
+        errors.append(
+            [
+                np.linalg.norm(cumulative[t - 1] / t - target) / np.linalg.norm(target)
+                for t in steps
+            ]
+        )
+    return np.max(errors, axis=0)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [
+        codecs.ternary(),
+        codecs.quantized(bits=4),
+        codecs.topk(0.05),
+        codecs.powersgd(2),
+    ],
+    ids=["ternary", "e2m1", "topk", "powersgd"],
+)
+def test_error_feedback_loses_nothing_over_time(codec):
+    """The running mean of the means tends to the true mean like 1/T: from
+    T = 64 to T = 256 the error falls 4x (3x allowed); noise that averages
+    out like 1/sqrt(T) would fall 2x."""
+    tx = ga.compressed_average_across_devices("i", codec, seed=1)
+    early, late = _running_mean_errors(tx, (64, 256), _grads(2))
+    assert late < early / 3, (early, late)
+    assert late < 0.1
+
+
+def test_ternary_stochastic_rounding_without_rounding_feedback_does_not():
+    """TernGrad's codes feed back only their clipping error: their rounding
+    noise averages out like 1/sqrt(T), the reason `codecs.ternary` rounds
+    to nearest with error feedback."""
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.ternary(rounding="stochastic"), seed=1
+    )
+    early, late = _running_mean_errors(tx, (64, 256), _grads(2))
+    assert late > early / 3, (early, late)
+
+
+# --- exactness ------------------------------------------------------------
+
+
+def test_powersgd_reproduces_a_rank_r_mean_exactly_layer_by_layer():
+    """Inputs of rank 2 sharing their column space: rank 2 gives the exact
+    mean and leaves no residual; each layer of the scanned leaf has a
+    column space of its own, which a factorization mixing layers would
+    miss."""
+    rng = np.random.default_rng(0)
+    left = rng.standard_normal((3, 32, 2))
+    right = rng.standard_normal((N, 3, 48, 2))
+    grads = {
+        "w": np.einsum("mr,dcr->dmc", left[0, :, :], rng.standard_normal((N, 40, 2))),
+        "s": np.einsum("lmr,dlcr->dlmc", left, right),
+    }
+    grads = jax.tree.map(lambda g: g.astype(np.float32), grads)
+    shapes = {"w": (32, 40), "s": (3, 32, 48)}
+    tx = ga.compressed_average_across_devices("i", codecs.powersgd(2))
+    state = _replicate(tx.init(_params(shapes)))
+    means, state = jax.pmap(tx.update, axis_name="i")(grads, state)
+    for name, g in grads.items():
+        np.testing.assert_allclose(means[name][0], g.mean(0), atol=2e-5)
+        assert np.abs(state.residual[name]).max() < 1e-4
+    # The state keeps Q per layer: (layers, columns, rank).
+    assert [q.shape[1:] for q in state.codec] == [(3, 48, 2), (1, 40, 2)]
+
+
+def test_topk_at_full_density_and_32_bits_is_the_float32_mean():
+    tx = ga.compressed_average_across_devices("i", codecs.topk(1.0, bits=32))
+    grads = _grads(3)
+    means, _ = jax.pmap(tx.update, axis_name="i")(grads, _replicate(tx.init(_params())))
+    exact = jax.pmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")(grads)
+    chex.assert_trees_all_equal(means, exact)
+
+
+def test_ternary_average_across_devices_is_the_ternary_codec():
+    """The ternary mean is built on the protocol: the codec with TernGrad's
+    rounding draws the same codes from the same seed."""
+    grads = _grads(4)
+    built_in = ga.ternary_average_across_devices("i", seed=7)
+    plugged = ga.compressed_average_across_devices(
+        "i", codecs.ternary(rounding="stochastic"), seed=7
+    )
+    step = functools.partial(jax.pmap, axis_name="i")
+    old, old_state = step(built_in.update)(grads, _replicate(built_in.init(_params())))
+    new, new_state = step(plugged.update)(grads, _replicate(plugged.init(_params())))
+    chex.assert_trees_all_equal(old, new)
+    chex.assert_trees_all_equal(old_state.residual, new_state.residual)
+
+
+# --- weights and non-finite devices ---------------------------------------
+
+DROPPED = [codecs.quantized(bits=8), codecs.topk(0.02), codecs.powersgd(2)]
+
+
+@pytest.mark.parametrize("codec", DROPPED, ids=["int8", "topk", "powersgd"])
+def test_a_zero_weight_device_with_nan_gradients_contributes_nothing(codec):
+    tx = ga.compressed_average_across_devices("i", codec)
+    grads = _grads(5)
+    nan_grads = jax.tree.map(lambda g: g.copy(), grads)
+    for leaf in nan_grads.values():
+        leaf[3] = np.nan
+    weights = jnp.arange(N, dtype=jnp.float32).at[3].set(0.0)
+    state = _replicate(tx.init(_params()))
+    step = jax.pmap(lambda g, s, w: tx.update(g, s, weight=w), axis_name="i")
+    clean_mean, clean_state = step(grads, state, weights)
+    nan_mean, nan_state = step(nan_grads, state, weights)
+    for name in SHAPES:
+        assert np.all(np.isfinite(nan_mean[name])), name
+    chex.assert_trees_all_equal(nan_mean, clean_mean)
+    chex.assert_trees_all_equal(
+        jax.tree.map(lambda x: x[:3], nan_state),
+        jax.tree.map(lambda x: x[:3], clean_state),
+    )
+    # A weighted device that cannot code its input spoils the coded leaves
+    # everywhere, visibly, and every residual keeps its value.
+    spoiled, spoiled_state = step(nan_grads, clean_state, jnp.ones(N))
+    assert np.all(np.isnan(spoiled["w"])) and np.all(np.isnan(spoiled["s"]))
+    chex.assert_trees_all_equal(spoiled_state.residual, clean_state.residual)
+    chex.assert_trees_all_equal(spoiled_state.codec, clean_state.codec)
+    # A zero total weight: zeros, and nothing moves.
+    zero, zero_state = step(grads, clean_state, jnp.zeros(N))
+    assert not any(np.any(leaf) for leaf in jax.tree.leaves(zero))
+    chex.assert_trees_all_equal(zero_state.residual, clean_state.residual)
+
+
+# --- the window's reduction on a mesh -------------------------------------
+
+K = 2
+
+
+def _window_loss(params, x):
+    # Elementwise in each param: no contraction over a split axis.
+    wide = jnp.tanh(x[:, :, None] * params["u"] + params["c"])
+    tall = jnp.tanh(x[:, :8, None, None] * params["v"].T[None, :, :, None])
+    return jnp.mean(wide) + jnp.mean(tall)
+
+
+def _window_params(dtype):
+    rng = np.random.default_rng(0)
+    return {
+        "u": jnp.asarray(rng.standard_normal((16, 64)), dtype),
+        "v": jnp.asarray(rng.standard_normal((64, 8)), dtype),
+        "c": jnp.asarray(rng.standard_normal(64), dtype),
+    }
+
+
+def _window_run(reduction, mesh, specs, dtype, micro_batches=4, restore_at=None):
+    """Emitted updates of windows of K micro-batches; with ``restore_at``,
+    the state is saved to host after that many micro-batches and restored."""
+    opt = ga.MultiSteps(
+        optax.sgd(1.0), K, unreduced_axes="data", window_reduction=reduction
+    )
+    grad_fn = ga.local_value_and_grad(_window_loss, "data")
+
+    def step(params, state, x):
+        return opt.update(grad_fn(params, x)[1], state, params)
+
+    rng = np.random.default_rng(1)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(_window_params(dtype), specs)
+        state = jax.jit(opt.init)(params)
+        step = jax.jit(step)
+        emitted = []
+        for i in range(micro_batches):
+            if i == restore_at:
+                if mesh.axis_types[0] == AxisType.Explicit:  # unreduced terms
+                    state = jax.jit(opt.reduce_window)(state)
+                state = jax.device_put(jax.device_get(state), P())
+            x = jax.device_put(
+                rng.standard_normal((16, 16)).astype(np.float32), P("data")
+            )
+            updates, state = jax.block_until_ready(step(params, state, x))
+            if i % K == K - 1:
+                emitted.append(updates)
+        compiled = step.lower(params, state, x).compile()
+    return emitted, state, compiled
+
+
+def _spec(value):
+    """A partition spec (of an array, or given) without its trailing Nones."""
+    spec = value if isinstance(value, P) else value.sharding.spec
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return tuple(parts)
+
+
+def _mesh(shape, names, axis_type):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+
+
+REPLICATED = {"u": P(), "v": P(), "c": P()}
+TP = {"u": P(None, "model"), "v": P("model", None), "c": P("model")}
+
+# Pairwise over (mesh, axis type, params' layout, dtype, codec).
+WINDOW_CASES = {
+    "1d-explicit-replicated-f32-topk": (
+        ((8,), ("data",)),
+        AxisType.Explicit,
+        REPLICATED,
+        jnp.float32,
+        codecs.topk(1.0, bits=32),
+    ),
+    "1d-auto-replicated-bf16-int8": (
+        ((8,), ("data",)),
+        AxisType.Auto,
+        REPLICATED,
+        jnp.bfloat16,
+        codecs.quantized(bits=8),
+    ),
+    "2d-explicit-tp-f32-e2m1": (
+        ((4, 2), ("data", "model")),
+        AxisType.Explicit,
+        TP,
+        jnp.float32,
+        codecs.quantized(bits=4),
+    ),
+    "2d-explicit-tp-bf16-powersgd": (
+        ((4, 2), ("data", "model")),
+        AxisType.Explicit,
+        TP,
+        jnp.bfloat16,
+        codecs.powersgd(4),
+    ),
+    "1d-auto-replicated-f32-ternary": (
+        ((8,), ("data",)),
+        AxisType.Auto,
+        REPLICATED,
+        jnp.float32,
+        codecs.ternary(),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_window_reduction_on_meshes(case):
+    (shape, names), axis_type, specs, dtype, codec = WINDOW_CASES[case]
+    mesh = _mesh(shape, names, axis_type)
+    reduction = ga.compressed_window_reduction(codec, seed=2)
+    emitted, state, compiled = _window_run(reduction, mesh, specs, dtype)
+    exact, _, _ = _window_run(None, mesh, specs, dtype)
+    devices = shape[0]
+    for got in emitted:
+        for name in got:
+            assert got[name].dtype == dtype
+            if axis_type == AxisType.Explicit:
+                assert _spec(got[name]) == _spec(specs[name]), name
+    if codec.name.startswith("topk(density=1.0, bits=32"):
+        chex.assert_trees_all_close(emitted, exact, atol=1e-6)
+    # Nothing is lost: what was not sent is in the devices' residuals (the
+    # updates are minus the window's sum over its K micro-batches' weight).
+    for name in exact[0]:
+        sent = sum(np.asarray(u[name], np.float32) for u in emitted)
+        target = sum(np.asarray(u[name], np.float32) for u in exact)
+        residual = state.reduction_state.residual[name]
+        unsent = 0 if name == "c" else np.asarray(residual).sum(0) / K
+        tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(
+            sent - unsent, target, atol=tolerance * np.abs(target).max(), err_msg=name
+        )
+    # Each device keeps its own residual, stacked over `data`, split like
+    # its param over `model`.
+    residual = state.reduction_state.residual["u"]
+    assert residual.shape == (devices, 16, 64)
+    assert residual.dtype == jnp.float32
+    if axis_type == AxisType.Explicit:
+        assert _spec(residual) == ("data", *_spec(specs["u"]))
+    if specs is TP and not codec.name.startswith("powersgd"):
+        # Codes keep the model split: no gather in the emission.
+        assert [m for m in moved_arrays(compiled) if m[2] != "entry"] == []
+
+
+@pytest.mark.parametrize(
+    ("axis_type", "restore_at"),
+    [(AxisType.Auto, 3), (AxisType.Explicit, 2)],
+    ids=["auto-mid-window", "explicit-window-boundary"],
+)
+def test_a_restored_window_resumes_bitwise(axis_type, restore_at):
+    """The per-device residuals are plain arrays: saved to host and restored
+    (mid-window where the window's terms are stacked arrays too; at a
+    window's boundary where they are unreduced and `reduce_window` sums
+    them), the run goes on bitwise as if uninterrupted."""
+    mesh = _mesh((8,), ("data",), axis_type)
+    reduction = ga.compressed_window_reduction(codecs.quantized(bits=4), seed=5)
+    straight, state, _ = _window_run(
+        reduction, mesh, REPLICATED, jnp.float32, micro_batches=6
+    )
+    restored, restored_state, _ = _window_run(
+        reduction,
+        mesh,
+        REPLICATED,
+        jnp.float32,
+        micro_batches=6,
+        restore_at=restore_at,
+    )
+    chex.assert_trees_all_equal(restored, straight)
+    chex.assert_trees_all_equal(restored_state.reduction_state, state.reduction_state)
+
+
+# --- DiLoCo ---------------------------------------------------------------
+
+
+def test_diloco_fragments_draw_their_own_streams_through_the_protocol():
+    reduction = ga.compressed_average_across_devices(
+        "data", codecs.quantized(bits=4), seed=3
+    )
+    opt = ga.diloco(
+        optax.sgd(0.1), 4, axis_name="data", outer_reduction=reduction, fragments=2
+    )
+    params = {"w": np.zeros((64, 32), np.float32), "v": np.zeros((32, 32), np.float32)}
+    state = opt.init(params)
+    keys = np.stack([np.asarray(r.key) for r in state.reduction_states])
+    np.testing.assert_array_equal(keys[0], [3, 0])
+    assert keys[1, 0] != 3 and keys[1, 1] == 0
+
+
+def test_a_scanned_leaf_gets_a_ternary_scale_per_layer():
+    """Layers of magnitudes 1, 100 and 10000 in one scanned leaf: one scale
+    for the leaf would round the first two to zeros; a scale per layer
+    sends each exactly (signs of equal magnitude, the same on every
+    device), and the pmax carries 3 scales."""
+    rng = np.random.default_rng(6)
+    signs = np.sign(rng.standard_normal((3, 16, 32))).astype(np.float32)
+    layers = signs * np.array([1.0, 100.0, 1e4], np.float32)[:, None, None]
+    grads = {"s": np.broadcast_to(layers, (N, 3, 16, 32)).copy()}
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.ternary(clip_sigma=None, rounding="nearest")
+    )
+    state = _replicate(tx.init({"s": layers}))
+    compiled = jax.pmap(tx.update, axis_name="i").lower(grads, state).compile()
+    means, _ = compiled(grads, state)
+    np.testing.assert_array_equal(means["s"][0], layers)
+    scales = [op for op in ga.measure.collectives(compiled) if "f32[3]" in op.shapes]
+    assert len(scales) == 1
+
+
+def _one_device_mean(codec, x):
+    """The codec's mean over one device (``jax.vmap`` as the mapped axis),
+    without error feedback: what it makes of ``x`` alone."""
+    tx = ga.compressed_average_across_devices("i", codec, error_feedback=False)
+    state = tx.init({"x": x})
+    return np.asarray(
+        jax.vmap(lambda g: tx.update({"x": g}, state)[0]["x"], axis_name="i")(x[None])[
+            0
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("bits", "grid", "error"),
+    [
+        (8, np.arange(128.0), 2e-4),
+        (4, np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]), 0.035),
+    ],
+    ids=["int8", "e2m1"],
+)
+def test_quantized_values_lie_on_the_format_grid_of_each_block(bits, grid, error):
+    """Each block of 32 is its grid times a power of two at least its
+    largest magnitude over the grid's top; the stochastic rounding noise is
+    the format's (E2M1: 0.027 of a Gaussian block's squared norm)."""
+    x = np.random.default_rng(7).standard_normal((64, 64)).astype(np.float32)
+    got = _one_device_mean(codecs.quantized(bits=bits), x)
+    for block, values in zip(x.reshape(-1, 32), got.reshape(-1, 32), strict=True):
+        power = 2.0 ** np.ceil(np.log2(np.abs(block).max() / grid[-1]))
+        assert np.isin(np.abs(values) / power, grid).all()
+    assert ((got - x) ** 2).sum() / (x**2).sum() < error
+
+
+def test_topk_sends_the_largest_entries_of_each_chunk_in_two_bits():
+    """41 of each chunk of 4096 (density 0.01): the largest in magnitude,
+    each as half or all of the chunk's largest, rounded to nearest."""
+    x = np.random.default_rng(8).standard_normal((2, 4096)).astype(np.float32)
+    got = _one_device_mean(codecs.topk(0.01), x)
+    for chunk, values in zip(x, got, strict=True):
+        top = np.argsort(-np.abs(chunk))[:41]
+        np.testing.assert_array_equal(np.flatnonzero(values), np.sort(top))
+        largest = np.abs(chunk).max()
+        expected = (
+            np.sign(chunk[top])
+            * largest
+            * np.where(np.abs(chunk[top]) >= 0.75 * largest, 1.0, 0.5)
+        )
+        np.testing.assert_allclose(values[top], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [codecs.quantized(bits=4), codecs.topk(0.1)],
+    ids=["e2m1", "topk"],
+)
+def test_a_tensor_parallel_leaf_is_coded_where_it_lies_in_a_shard_map(codec):
+    """Inside a shard_map over `data` alone, a leaf split over `model` by
+    explicit sharding: each device codes its own block, so the collectives
+    over `data` carry half the bytes of replicated params; E2M1's blocks of
+    32 are the same either way, and so is its mean. (Top-k's chunks are
+    each device's block: its picks differ.)"""
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
+    grads = np.random.default_rng(9).standard_normal((4, 32, 64)).astype(np.float32)
+    tx = ga.compressed_average_across_devices("data", codec)
+
+    def mean(grads):
+        grads = {"w": grads[0]}
+        return tx.update(grads, tx.init(grads))[0]["w"][None]
+
+    step = jax.jit(
+        jax.shard_map(
+            mean, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+        )
+    )
+    results, data_bytes = {}, {}
+    with jax.set_mesh(mesh):
+        for name, spec in {
+            "tp": P("data", None, "model"),
+            "replicated": P("data"),
+        }.items():
+            placed = jax.device_put(grads, spec)
+            results[name] = step(placed)
+            assert _spec(results[name]) == _spec(spec)
+            data_bytes[name] = sum(
+                op.nbytes
+                for op in ga.measure.collectives(step.lower(placed).compile(), mesh)
+                if op.axes == ("data",)
+            )
+    assert data_bytes["tp"] <= 0.52 * data_bytes["replicated"], data_bytes
+    if codec.name.startswith("quantized"):
+        np.testing.assert_array_equal(results["tp"], results["replicated"])
+
+
+def test_diloco_sends_its_outer_gradients_through_a_codec():
+    """Top-k outer gradients with error feedback under pmap: each worker
+    keeps what it did not send, and the anchor follows the exact DiLoCo's."""
+    rng = np.random.default_rng(10)
+    params = {
+        "w": rng.standard_normal((64, 32)).astype(np.float32),
+        "b": np.zeros(32, np.float32),
+    }
+    grads_seq = [
+        jax.tree.map(
+            lambda p: rng.standard_normal((N, *p.shape)).astype(np.float32), params
+        )
+        for _ in range(4)
+    ]
+
+    def run(outer_reduction):
+        opt = ga.diloco(
+            optax.sgd(0.1), 2, axis_name="data", outer_reduction=outer_reduction
+        )
+        stacked = _replicate(params)
+        state = jax.pmap(opt.init)(stacked)
+
+        @functools.partial(jax.pmap, axis_name="data")
+        def step(params, state, grads):
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        for grads in grads_seq:
+            stacked, state = jax.block_until_ready(step(stacked, state, grads))
+        return stacked, state
+
+    coded, state = run(
+        ga.compressed_average_across_devices("data", codecs.topk(0.25, bits=4))
+    )
+    exact, _ = run(None)
+    (reduction_state,) = state.reduction_states
+    residual = np.asarray(reduction_state.residual[1])  # w, after b
+    assert residual.shape == (N, 64, 32) and np.abs(residual).max() > 0
+    np.testing.assert_array_equal(np.asarray(reduction_state.key)[:, 1], 2)
+    error = np.abs(np.asarray(coded["w"]) - np.asarray(exact["w"])).max()
+    moved = np.abs(np.asarray(exact["w"]) - params["w"]).max()
+    assert 0 < error < moved / 2
