@@ -6,13 +6,19 @@ branching and trace-time checks behave differently in the two.
 ``train_step_temp_bytes`` reads a donated train step's compiled temporaries;
 ``entry_arrays`` lists the arrays a compiled step makes on every call.
 ``public_names`` lists the package's public names, its submodules' too.
+``compiled_reference`` compiles paths of ``benchmarks/bench_scale.py``'s
+reference configuration on 64 devices, in a process of its own.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -25,6 +31,8 @@ from gradaccum_jax.measure import collectives
 
 # The page whose table lists every public name with its signature.
 API_TABLE_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "api_summary.md"
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # The public submodules: their names are public below the package's.
 PUBLIC_SUBMODULES = ("codecs", "extend", "measure")
@@ -117,3 +125,33 @@ def api_table_entries() -> list[str]:
         first_column = row.split(" | ")[0].removeprefix("| ")
         entries += re.findall(r"`([^`]+)`", first_column)
     return entries
+
+
+def compiled_reference(scratch: pathlib.Path, *paths: str) -> dict[str, dict]:
+    """Each of ``paths`` of ``benchmarks/bench_scale.py`` compiled on its
+    0.81B-param reference configuration (``data`` 8 x ``model`` 8): its row
+    of ``scale.json`` (memory and collectives), by path. The compile runs in
+    a process of its own, whose 64 devices this process (8) cannot have."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", ""
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_scale.py"),
+            "--only",
+            "reference",
+            "--paths",
+            *paths,
+            "--plots",
+            str(scratch),
+            "--no-figure",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=env,
+    )
+    rows = json.loads((scratch / "scale.json").read_text())
+    return {row["path"]: row for row in rows}

@@ -9,11 +9,6 @@ compiled HLO's all-reduces say where the communication is.
 from __future__ import annotations
 
 import functools
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from helpers import entry_arrays, moved_arrays
+from helpers import compiled_reference, entry_arrays, moved_arrays
 
 N = 8  # devices, workers on 1-D layouts
 
@@ -1000,30 +995,8 @@ def test_reference_configuration_syncs_blocks_of_layers_without_gathers(tmp_path
     process of its own): DiLoCo with float32 outer gradients gathers
     nothing, and with 4 fragments of 6 layers each sync moves a quarter
     of the bytes of a sync of the whole model."""
-    root = pathlib.Path(__file__).resolve().parent.parent
     paths = ("diloco float32, F=1", "diloco float32, F=4")
-    env = dict(os.environ, PYTHONPATH=str(root))
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", ""
-    )
-    subprocess.run(
-        [
-            sys.executable,
-            str(root / "benchmarks" / "bench_scale.py"),
-            "--only",
-            "reference",
-            "--paths",
-            *paths,
-            "--plots",
-            str(tmp_path),
-            "--no-figure",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-        env=env,
-    )
-    results = {r["path"]: r for r in json.loads((tmp_path / "scale.json").read_text())}
+    results = compiled_reference(tmp_path, *paths)
     largest = {}
     for path in paths:
         assert "error" not in results[path], results[path]

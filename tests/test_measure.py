@@ -9,12 +9,6 @@ groups, async ``-start`` / ``-done`` pairs) are pinned on HLO text.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -22,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax.measure import Collective, collectives
+from helpers import compiled_reference
 
 ROWS, COLS = 16, 32  # the global operand; 8 x 8 float32 (256 bytes) per device
 DATA_GROUPS = ((0, 4), (1, 5), (2, 6), (3, 7))
@@ -292,31 +287,8 @@ def test_reference_configuration_on_64_devices(tmp_path):
     ``data`` 8 x ``model`` 8 mesh in a process of its own (this one has 8
     devices): the plain path all-gathers nothing and holds fewer
     temporaries than optax's."""
-    root = pathlib.Path(__file__).resolve().parent.parent
     plain, reference = "ga.MultiSteps + jax.grad", "optax.MultiSteps + jax.grad"
-    env = dict(os.environ, PYTHONPATH=str(root))
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", ""
-    )
-    subprocess.run(
-        [
-            sys.executable,
-            str(root / "benchmarks" / "bench_scale.py"),
-            "--only",
-            "reference",
-            "--paths",
-            reference,
-            plain,
-            "--plots",
-            str(tmp_path),
-            "--no-figure",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-        env=env,
-    )
-    results = {r["path"]: r for r in json.loads((tmp_path / "scale.json").read_text())}
+    results = compiled_reference(tmp_path, reference, plain)
     assert results[plain]["mesh"] == {"data": 8, "model": 8}
     assert results[plain]["params"] == 2 * 24 * 2048 * 8192
     for path in (reference, plain):

@@ -12,12 +12,6 @@ is compiled in a process of its own.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax.measure import collectives
+from helpers import compiled_reference
 
 LAYERS, WIDTH, HIDDEN, ROWS, K = 2, 32, 128, 16, 2
 SPECS = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
@@ -161,32 +156,7 @@ def test_reference_configuration_keeps_tensor_parallelism(tmp_path):
     """On ``data`` 8 x ``model`` 8: no all-gather on either path; the
     once-per-window path's one window-sized all-reduce inside the emission
     loop, its argument memory the plain path's, its temporaries bounded."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root))
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", ""
-    )
-    subprocess.run(
-        [
-            sys.executable,
-            str(root / "benchmarks" / "bench_scale.py"),
-            "--only",
-            "reference",
-            "--paths",
-            OPTAX,
-            PLAIN,
-            ONCE,
-            MICROBATCHED,
-            "--plots",
-            str(tmp_path),
-            "--no-figure",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-        env=env,
-    )
-    results = {r["path"]: r for r in json.loads((tmp_path / "scale.json").read_text())}
+    results = compiled_reference(tmp_path, OPTAX, PLAIN, ONCE, MICROBATCHED)
     for path in (ONCE, MICROBATCHED):
         assert "error" not in results[path], results[path]
         kinds = [c["kind"] for c in results[path]["collectives"]]
