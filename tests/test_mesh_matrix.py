@@ -7,10 +7,11 @@ a row-parallel layer. The layouts: a 1-D Explicit and a 1-D Auto ``data``
 mesh with replicated params, and a 2-D Explicit ``data`` x ``model`` mesh
 with replicated, FSDP-sharded (``P("data", None)``; the stack split on a
 layer's rows) and tensor-parallel (``P(None, "model")``, Megatron's split)
-params; float32 and bfloat16 params. Every transformation runs on every layout it
-supports, each pair with one dtype, chosen so that every transformation and
-every layout meets both (``_cells`` says which, and where both run). Each
-cell runs a few jitted steps of one transformation and checks that
+params; float32 and bfloat16 params. Every transformation runs on every
+layout it supports, each pair with one dtype, chosen so that every
+transformation and every layout meets both (``_cells`` says which, and
+where both run). Each cell runs a few jitted steps of one transformation
+and checks that
 
 * the results equal the same steps on plain, unsharded arrays (exactly where
   the inputs are the same bits, to a tolerance where a collective sums in
@@ -46,7 +47,11 @@ import gradaccum_jax as ga
 from gradaccum_jax.measure import collectives
 
 K = 2  # micro-batches per window
-# The model's widths: inputs, hidden features (and the scanned layers'), outputs.
+# The model's widths: inputs, hidden features (the scanned layers' too),
+# outputs. No param is shaped like a batch of activations (8 or fewer rows
+# per device by HIDDEN), so that a gathered param is told by its shape; the
+# plain step keeps every tensor-parallel param split
+# (`test_the_gather_check_sees_a_gathered_param`).
 IN, HIDDEN, OUT, LAYERS = 16, 32, 4, 2
 
 
@@ -454,9 +459,10 @@ def _param_gathers(compiled, mesh) -> collections.Counter[tuple[int, ...]]:
     the scanned stack, by that shape (dimensions of size 1 left out).
 
     A gathered tensor-parallel param (or its gradient, or its update) shows
-    as one. The backward pass of the row-parallel layers gathers their
-    input's gradient, shaped like a batch of activations, as the plain step
-    does; it is left out, its row count being the micro-batch's.
+    as one. Left out: the gathers of the scanned layers' backward pass, of
+    their input's gradient, which the plain step runs too; shaped like a
+    batch of activations (its rows are the micro-batch's, which differ
+    between paths), no param's shape.
     """
     shapes = {np.shape(p) for p in _params(np.float32).values()}
     shapes.add((HIDDEN, HIDDEN))  # one layer of the scanned stack
