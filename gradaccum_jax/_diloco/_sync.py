@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gradaccum_jax._codecs._auto_blocks import leaf_layouts
 from gradaccum_jax._codecs._protocol import with_own_streams
 
 
@@ -46,6 +47,9 @@ class SyncConfig(NamedTuple):
     outer: optax.GradientTransformation
     reduction: optax.GradientTransformation | None  # None: a single worker
     fragment: int  # the fragment's index in ``cycle_weights``
+    # Per leaf of the fragment, its split over Auto mesh axes (None: shown
+    # by the types, or whole).
+    layouts: list[Any] | None = None
 
 
 def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> SyncCarry:
@@ -74,9 +78,11 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
         # the same reduction says whether the anchor moves (no second
         # collective for the total).
         presence = jnp.ones([], jnp.float32)
-        means, reduction_state = config.reduction.update(
-            [*outer_grads, presence], reduction_state, weight=weight
-        )
+        layouts = [*(config.layouts or [()] * len(outer_grads)), ()]
+        with leaf_layouts(layouts):
+            means, reduction_state = config.reduction.update(
+                [*outer_grads, presence], reduction_state, weight=weight
+            )
         *outer_grads, presence = means
         moved = presence != 0
     anchor = [wide(a) for a in carry.anchor]
