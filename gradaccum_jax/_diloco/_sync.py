@@ -7,6 +7,7 @@ updated in place and a step that does not sync moves nothing.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -47,8 +48,8 @@ class SyncConfig(NamedTuple):
     outer: optax.GradientTransformation
     reduction: optax.GradientTransformation | None  # None: a single worker
     fragment: int  # the fragment's index in ``cycle_weights``
-    # Per leaf of the fragment, its split over Auto mesh axes (None: shown
-    # by the types, or whole).
+    # Per leaf of the fragment, its split over Auto mesh axes; None: not
+    # known (shown by the types, or an Auto mesh's, the compiler's).
     layouts: list[Any] | None = None
 
 
@@ -78,8 +79,12 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
         # the same reduction says whether the anchor moves (no second
         # collective for the total).
         presence = jnp.ones([], jnp.float32)
-        layouts = [*(config.layouts or [()] * len(outer_grads)), ()]
-        with leaf_layouts(layouts):
+        said = (
+            contextlib.nullcontext()
+            if config.layouts is None
+            else leaf_layouts([*config.layouts, ()])
+        )
+        with said:
             means, reduction_state = config.reduction.update(
                 [*outer_grads, presence], reduction_state, weight=weight
             )

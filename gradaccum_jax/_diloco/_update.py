@@ -97,7 +97,12 @@ def _mapped(worker_fn, axis_name, grads, state, params, weight):
 
     # Read before the map makes the Explicit axes Auto: each leaf's split
     # over the other axes, for a codec that codes each device's block.
-    layouts = [tuple(_tree.partitions(leaf)[1:]) for leaf in jax.tree.leaves(params)]
+    # On an Auto mesh nothing says it (the compiler chose it): None.
+    layouts = (
+        [tuple(_tree.partitions(leaf)[1:]) for leaf in jax.tree.leaves(params)]
+        if explicit_axes()
+        else None
+    )
 
     def one_worker(grads, state, params, weight, step):
         updates, state = worker_fn(
