@@ -75,32 +75,6 @@ def layouts_of(leaves: list[Any]) -> list[_blocks.Split]:
     ]
 
 
-def layout_unknown(axis: Any) -> bool:
-    """Whether arrays reduced over ``axis`` may lie split over an Auto mesh
-    axis nobody said (`leaf_layouts`): one of size > 1, other than
-    ``axis``, not bound by a map over its blocks (an Auto mesh, or a
-    ``shard_map`` manual over ``axis`` alone on one). The compiler chose
-    that split, and a reshape would make it move the arrays."""
-    if _LAYOUTS.get() is not None:
-        return False
-    reduced = set((axis,) if isinstance(axis, str) else axis)
-    mesh = jax.sharding.get_abstract_mesh()
-    return any(
-        kind == AxisType.Auto and size > 1 and name not in reduced and not _bound(name)
-        for name, size, kind in zip(
-            mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True
-        )
-    )
-
-
-def _bound(name: str) -> bool:
-    try:
-        jax.lax.axis_size(name)
-    except NameError:
-        return False
-    return True
-
-
 def _fits(leaf: Any, split: _blocks.Split) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))

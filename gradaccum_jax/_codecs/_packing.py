@@ -18,7 +18,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _tree
-from gradaccum_jax._codecs._auto_blocks import layout_unknown
 
 
 def digits_per_word(num_devices: int, levels: int) -> int:
@@ -39,19 +38,10 @@ def packed_sum(
     packing (into which XLA fuses the codes' computation) find which array
     each word belongs to (a 2-device step of a 4.7M parameter MLP took 97
     ms with it, 80 ms without). Codes split over other mesh axes by
-    explicit sharding are packed where they lie (`_on_own_blocks`). Codes
-    that may lie split over an Auto axis in a way nobody said
-    (`_auto_blocks.layout_unknown`) are not packed, which would move them:
-    they are summed as they lie, in the narrowest integer that holds the
-    sums (int8 for ternary codes over up to 127 devices, a quarter of the
-    float32 bytes).
+    explicit sharding are packed where they lie (`_on_own_blocks`).
     """
     if not codes:
         return []
-    if layout_unknown(axis):
-        dtype = _narrowest_int(num_devices * levels)
-        sums = jax.lax.psum([c.astype(dtype) for c in codes], axis)
-        return [s.astype(jnp.int32) for s in sums]
     if digits_per_word(num_devices, levels) < 2:  # too many devices: int32 sums
         return list(jax.lax.psum([c.astype(jnp.int32) for c in codes], axis))
 
@@ -63,14 +53,6 @@ def packed_sum(
         ]
 
     return _on_own_blocks(packed, codes)
-
-
-def _narrowest_int(largest: int) -> Any:
-    """The narrowest signed integer type that holds ``[-largest, largest]``."""
-    for dtype in (jnp.int8, jnp.int16):
-        if largest <= jnp.iinfo(dtype).max:
-            return dtype
-    return jnp.int32
 
 
 def _on_own_blocks(fn, arrays: list[jax.Array]) -> list[jax.Array]:
