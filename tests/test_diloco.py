@@ -825,6 +825,83 @@ def test_tensor_parallel_params_are_not_gathered(dtype):
     assert temp <= 2.1 * share, (temp, share)
 
 
+def _codec_diloco_step(reduction, mesh):
+    """A compiled diloco update on stacked workers over `data`, tensor
+    parallel over `model`: two Megatron leaves and a scanned one, large
+    enough to be coded, and a bias split over `model` (no dimension left
+    whole). Returns it and the float32 outer gradient's bytes per device."""
+    specs = {
+        "w1": P(None, "model"),
+        "w2": P("model", None),
+        "layers": P(None, None, "model"),
+        "bias": P("model"),
+    }
+    shapes = {"w1": (256, 512), "w2": (512, 256), "layers": (4, 64, 128)}
+    shapes["bias"] = (1024,)
+    workers = mesh.shape["data"]
+
+    def abstract(shape, spec, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(
+            shape, dtype, sharding=jax.NamedSharding(mesh, spec)
+        )
+
+    def stacked(leaf):
+        spec = leaf.sharding.spec if leaf.sharding is not None else P()
+        return abstract((workers, *leaf.shape), P("data", *spec), leaf.dtype)
+
+    opt = ga.diloco(optax.adam(0.01), 4, axis_name="data", outer_reduction=reduction)
+
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        one = {k: abstract(shapes[k], specs[k]) for k in specs}
+        state = jax.eval_shape(opt.init, one)
+        state = jax.tree.map(
+            lambda s: abstract(
+                s.shape, s.sharding.spec if s.sharding else P(), s.dtype
+            ),
+            state,
+        )
+        params, state = jax.tree.map(stacked, (one, state))
+        compiled = (
+            jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+        )
+    model = mesh.shape["model"]
+    return compiled, sum(4 * np.prod(s) for s in shapes.values()) // model
+
+
+@pytest.mark.parametrize("codec", ["ternary", "int8"])
+def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec):
+    """On `data` 2 x `model` 4 (Explicit), a diloco update whose
+    outer_reduction sends codes gathers nothing, as the float32 outer mean
+    does not: each device codes, packs and sends its own block of every
+    tensor-parallel leaf (ternary: 13 codes a word over 2 workers, about
+    1/13 of the float32 bytes of a device's blocks), and its temporaries
+    are those of the float32 path plus about one float32 buffer of a
+    device's blocks (measured 1.36x), not the gathered params'."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    reduction = (
+        ga.ternary_average_across_devices("data", seed=0)
+        if codec == "ternary"
+        else ga.compressed_average_across_devices("data", ga.codecs.quantized(bits=8))
+    )
+    compiled, f32_share = _codec_diloco_step(reduction, mesh)
+    plain, _ = _codec_diloco_step(None, mesh)
+    for program in (compiled, plain):
+        moves = ga.measure.collectives(program, mesh)
+        assert [c for c in moves if c.kind != "all-reduce"] == []
+    found = ga.measure.collectives(compiled, mesh)
+    assert {c.place for c in found} == {"loop"}
+    coded = max(c.nbytes for c in found if c.axes == ("data",))
+    if codec == "ternary":
+        assert coded <= f32_share / 12, (coded, f32_share)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    plain_temp = plain.memory_analysis().temp_size_in_bytes
+    assert temp <= plain_temp + 1.5 * f32_share, (temp, plain_temp, f32_share)
+
+
 def test_worker_rows_keep_their_split_over_an_inner_data_axis():
     """Workers over `dcn` (2), each 4 devices of data parallelism: a batch
     split over ("dcn", "data") stays split over `data` within a worker (no

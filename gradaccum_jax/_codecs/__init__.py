@@ -6,6 +6,8 @@
   non-finite devices) around one codec's sum;
 - `_average`: `compressed_average_across_devices` (pmap / shard_map);
 - `_window`: `compressed_window_reduction` (a window's per-device terms);
+- `_auto_blocks`: a codec run on each device's block of leaves split over
+  Auto mesh axes (DiLoCo's stacked workers);
 - `_packing`: integer codes summed exactly, several per uint32 word;
 - `_ternary`, `_quantized`, `_topk`, `_powersgd`: the codecs.
 """

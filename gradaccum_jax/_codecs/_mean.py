@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _tree, _weights
+from gradaccum_jax._codecs import _auto_blocks
 from gradaccum_jax._codecs._protocol import Codec, CodecState, CodecSum, Wire
 from gradaccum_jax._ternary import _blocks, _random
 from gradaccum_jax._ternary._leaves import NoResidual, is_masked
@@ -134,7 +135,15 @@ def reduce_with_codec(
         config.error_feedback,
         config.report_sq_excess,
     )
-    coded_sum = _sum_on_blocks(config.codec, inputs, state.codec, state.key, wire)
+    layouts = _auto_blocks.layouts_of(leaves)
+    coded_sum = _sum_on_blocks(
+        config.codec,
+        inputs,
+        state.codec,
+        state.key,
+        wire,
+        [layouts[i] for i in compressed],
+    )
     new_residuals = list(residuals)
     for j, i in enumerate(compressed):
         finite = coded_sum.finite[j]
@@ -167,7 +176,12 @@ def reduce_with_codec(
 
 
 def _sum_on_blocks(
-    codec: Codec, inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire
+    codec: Codec,
+    inputs: list[jax.Array],
+    state: Any,
+    key: jax.Array,
+    wire: Wire,
+    auto_splits: list[_blocks.Split],
 ) -> CodecSum:
     """``codec.sum`` with each input seen as the block its device holds.
 
@@ -177,11 +191,16 @@ def _sum_on_blocks(
     manual over the axes that split it, each device codes its own block,
     told the split by `Wire.splits` (what the window's map does for its
     terms). Nothing is gathered, and a codec never reshapes a split array,
-    which JAX cannot do without moving it.
+    which JAX cannot do without moving it. Inputs split over Auto axes
+    (``auto_splits``, see `_auto_blocks`) are coded where they lie too.
     """
     specs = [P(*_tree.partitions(x)) for x in inputs]
     split_axes = _tree.mesh_axes_in(tuple(part for spec in specs for part in spec))
     if not split_axes:
+        if any(_blocks.axes_of(split) for split in auto_splits):
+            return _auto_blocks.sum_on_auto_blocks(
+                codec, inputs, state, key, wire, auto_splits
+            )
         return codec.sum(inputs, state, key, wire)
     blocks_wire = wire._replace(splits=[tuple(spec) for spec in specs])
     return jax.shard_map(

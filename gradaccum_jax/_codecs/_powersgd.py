@@ -21,7 +21,7 @@ themselves, are summed exactly in float32.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +52,13 @@ def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
     Vectors, leaves under ``min_size`` elements and matrices whose factors
     are no smaller than themselves are summed exactly in float32. Low rank
     is biased: use it with error feedback, which keeps what the factors
-    miss. A leaf split over another mesh axis (tensor parallelism) is
-    gathered whole over that axis on each device before it is factored.
+    miss. A leaf split over another mesh axis (tensor parallelism, FSDP)
+    is factored where it lies: each device multiplies its block, the
+    products are summed over the blocks, and only the factors' blocks
+    (``rank * rows`` or ``rank * columns`` floats) are gathered over the
+    axes that split the rows (to orthogonalize ``P``) or the columns (to
+    keep ``Q`` whole); a leaf of rank 4 or more split after its third
+    axis is gathered whole.
 
     Example:
 
@@ -91,37 +96,134 @@ def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
 
     def codec_sum(inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire):
         del key
-        wholes = [
-            _whole(x, split) for x, split in zip(inputs, wire.splits, strict=True)
+        parts = [
+            _matrix_split(x, split)
+            for x, split in zip(inputs, wire.splits, strict=True)
         ]
-        stacks = [m.reshape(matrices(m.shape)) for m in wholes]
+        stacks = [
+            _whole(x, split).reshape(matrices(_whole_shape(x, split)))
+            if part is None
+            else x.reshape(matrices(x.shape))
+            for x, split, part in zip(inputs, wire.splits, parts, strict=True)
+        ]
+        # Each block's product with its rows of Q, summed over the devices
+        # and over the blocks of the matrix's columns in one all-reduce.
+        qs = [
+            _own_rows(q, m, part)
+            for q, m, part in zip(state, stacks, parts, strict=True)
+        ]
         p_sums = _psum_list(
-            [
-                jnp.einsum("lmc,lcr->lmr", m, q)
-                for m, q in zip(stacks, state, strict=True)
-            ],
-            wire.axis,
+            [jnp.einsum("lmc,lcr->lmr", m, q) for m, q in zip(stacks, qs, strict=True)],
+            [_axes_with(wire.axis, part, "columns") for part in parts],
         )
-        ps = [jnp.linalg.qr(p)[0] for p in p_sums]
-        own_qs = [
-            jnp.einsum("lmc,lmr->lcr", m, p) for m, p in zip(stacks, ps, strict=True)
+        # Orthogonalized whole (its rows gathered: a factor, not the matrix).
+        ps = [
+            _own_p(jnp.linalg.qr(_gathered(p, part, "rows", 1))[0], m, part)
+            for p, m, part in zip(p_sums, stacks, parts, strict=True)
         ]
-        q_sums = _psum_list(own_qs, wire.axis)
-        sums, sent, finite = [], [], []
-        for j, x in enumerate(inputs):
-            shape = wholes[j].shape
-            approx = jnp.einsum("lmr,lcr->lmc", ps[j], q_sums[j]).reshape(shape)
-            own = jnp.einsum("lmr,lcr->lmc", ps[j], own_qs[j]).reshape(shape)
-            sums.append(_own_block(approx, x, wire.splits[j]))
-            sent.append(_own_block(own, x, wire.splits[j]))
-            finite.append(
-                jnp.isfinite(jnp.sum(p_sums[j])) & jnp.isfinite(jnp.sum(q_sums[j]))
+        own_qs = _psum_list(
+            [jnp.einsum("lmc,lmr->lcr", m, p) for m, p in zip(stacks, ps, strict=True)],
+            [_axes_with((), part, "rows") for part in parts],
+        )
+        q_sums = _psum_list(own_qs, [wire.axis] * len(own_qs))
+        sums, sent, new_state, finite = [], [], [], []
+        for j, (x, split, part) in enumerate(
+            zip(inputs, wire.splits, parts, strict=True)
+        ):
+            approx = jnp.einsum("lmr,lcr->lmc", ps[j], q_sums[j])
+            own = jnp.einsum("lmr,lcr->lmc", ps[j], own_qs[j])
+            if part is None:  # factored whole: this device's block of it
+                whole = _whole_shape(x, split)
+                sums.append(_own_block(approx.reshape(whole), x, split))
+                sent.append(_own_block(own.reshape(whole), x, split))
+            else:
+                sums.append(approx.reshape(x.shape))
+                sent.append(own.reshape(x.shape))
+            # Q whole again, the same on every device (a factor's blocks);
+            # it holds every layer's, NaN where any block's input was.
+            whole_q = _gathered(
+                _gathered(q_sums[j], part, "columns", 1), part, "layers", 0
             )
-        return CodecSum(sums, sent, finite, q_sums)
+            new_state.append(whole_q)
+            finite.append(jnp.isfinite(jnp.sum(whole_q)))
+        return CodecSum(sums, sent, finite, new_state)
 
     return Codec(
         f"powersgd(rank={rank}, min_size={min_size})", compresses, init, codec_sum
     )
+
+
+class _MatrixSplit(NamedTuple):
+    """How a block of a leaf splits its matrices (`matrices`): the mesh
+    axes (a tuple, maybe empty) over its layers, rows and columns."""
+
+    layers: tuple[str, ...]
+    rows: tuple[str, ...]
+    columns: tuple[str, ...]
+
+
+def _matrix_split(block: jax.Array, split: _blocks.Split) -> _MatrixSplit | None:
+    """How ``block`` splits its leaf's matrices; None when a dimension after
+    the first of the columns is split (its columns are not one range: the
+    leaf is gathered whole) or when the leaf is whole."""
+    if not _blocks.axes_of(split):
+        return None
+    parts = [_names(part) for part in (*split, *(None,) * (block.ndim - len(split)))]
+    if block.ndim == 2:
+        return _MatrixSplit((), parts[0], parts[1])
+    if any(parts[3:]):
+        return None
+    return _MatrixSplit(parts[0], parts[1], parts[2])
+
+
+def _names(part: Any) -> tuple[str, ...]:
+    if part is None:
+        return ()
+    return (part,) if isinstance(part, str) else tuple(part)
+
+
+def _axes_with(axis: Any, part: _MatrixSplit | None, which: str) -> Any:
+    """``axis`` (the devices' axis, or ``()``) with ``part``'s axes of
+    ``which`` dimension of the matrices."""
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    return (*axes, *(() if part is None else getattr(part, which)))
+
+
+def _index(axes: tuple[str, ...]) -> jax.Array:
+    """This device's block index over ``axes`` (row-major), 0 if none."""
+    return jax.lax.axis_index(axes) if axes else jnp.int32(0)
+
+
+def _own_rows(q: jax.Array, m: jax.Array, part: _MatrixSplit | None) -> jax.Array:
+    """The rows of the whole ``Q`` (layers, columns, rank) that multiply
+    ``m``, this device's block of the matrices."""
+    if part is None:
+        return q
+    layers, _, columns = m.shape
+    start = (_index(part.layers) * layers, _index(part.columns) * columns, 0)
+    return jax.lax.dynamic_slice(q, start, (layers, columns, q.shape[2]))
+
+
+def _own_p(p: jax.Array, m: jax.Array, part: _MatrixSplit | None) -> jax.Array:
+    """This device's rows of the whole orthogonalized ``P``."""
+    if part is None:
+        return p
+    rows = m.shape[1]
+    start = (0, _index(part.rows) * rows, 0)
+    return jax.lax.dynamic_slice(p, start, (p.shape[0], rows, p.shape[2]))
+
+
+def _gathered(factor: jax.Array, part: _MatrixSplit | None, which: str, dim: int):
+    """``factor`` (a block of ``P`` or ``Q``) gathered over ``which``
+    dimension's axes along ``dim``."""
+    axes = () if part is None else getattr(part, which)
+    if not axes:
+        return factor
+    return jax.lax.all_gather(factor, axes, axis=dim, tiled=True)
+
+
+def _whole_shape(block: jax.Array, split: _blocks.Split) -> tuple[int, ...]:
+    return _blocks.whole_shape(block.shape, split) if split else block.shape
 
 
 def _whole(block: jax.Array, split: _blocks.Split) -> jax.Array:
@@ -142,5 +244,16 @@ def _own_block(whole: jax.Array, block: jax.Array, split: _blocks.Split) -> jax.
     )
 
 
-def _psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
-    return list(jax.lax.psum(values, axis)) if values else []
+def _psum_list(values: list[jax.Array], axes: list[Any]) -> list[jax.Array]:
+    """Each value summed over its axes, those with the same axes in one
+    (variadic) all-reduce."""
+    out: list[Any] = [None] * len(values)
+    for group in dict.fromkeys(axes):
+        where = [i for i, a in enumerate(axes) if a == group]
+        if group:
+            summed = jax.lax.psum([values[i] for i in where], group)
+        else:
+            summed = [values[i] for i in where]
+        for i, value in zip(where, summed, strict=True):
+            out[i] = value
+    return out

@@ -7,12 +7,14 @@ updated in place and a step that does not sync moves nothing.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from gradaccum_jax._codecs._auto_blocks import leaf_layouts
 from gradaccum_jax._codecs._protocol import with_own_streams
 
 
@@ -46,6 +48,9 @@ class SyncConfig(NamedTuple):
     outer: optax.GradientTransformation
     reduction: optax.GradientTransformation | None  # None: a single worker
     fragment: int  # the fragment's index in ``cycle_weights``
+    # Per leaf of the fragment, its split over Auto mesh axes; None: not
+    # known (shown by the types, or an Auto mesh's, the compiler's).
+    layouts: list[Any] | None = None
 
 
 def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> SyncCarry:
@@ -74,9 +79,15 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
         # the same reduction says whether the anchor moves (no second
         # collective for the total).
         presence = jnp.ones([], jnp.float32)
-        means, reduction_state = config.reduction.update(
-            [*outer_grads, presence], reduction_state, weight=weight
+        said = (
+            contextlib.nullcontext()
+            if config.layouts is None
+            else leaf_layouts([*config.layouts, ()])
         )
+        with said:
+            means, reduction_state = config.reduction.update(
+                [*outer_grads, presence], reduction_state, weight=weight
+            )
         *outer_grads, presence = means
         moved = presence != 0
     anchor = [wide(a) for a in carry.anchor]

@@ -114,7 +114,6 @@ def diloco(
             params,
             weight,
             init_fn,
-            typed_blocks=outer_reduction is not None,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -4,27 +4,25 @@ The workers' params, gradients and states are stacked on a leading axis
 sharded over the workers' mesh axis (see `_stacked`). Each worker's step
 runs where the workers see each other through the axis name, exactly as
 under ``pmap``: one code path (`_worker.worker_update`) for the three
-data-parallel layouts. On jax 0.10.2 two ways bind the name, neither
-everywhere:
+data-parallel layouts.
 
-- ``jax.vmap`` over the workers (``spmd_axis_name``), with every Explicit
-  mesh axis made Auto for the step (``jax.sharding.auto_axes``; the
-  results get the inputs' types back). The params' split over other axes
-  (tensor parallelism over ``model``, HSDP over ``fsdp``) is kept: nothing
-  is gathered. Auto, because a ``psum`` over a vmapped axis of an operand
-  with an Explicit split fails to type its result (its positional
-  reduction keeps the operand's spec), as the default mean's does.
-- A ``jax.shard_map`` manual over the workers' axis alone. Inside, the
-  types keep the split over other Explicit axes, which a user's
-  ``outer_reduction`` reads to code each device's own block (the ternary
-  codes of a tensor-parallel leaf: 1/m of the words over m devices). But
-  its boundary gathers every input split over another Explicit axis (its
-  ``in_shardings`` name the manual axis only, and an Explicit axis they do
-  not name is replicated): the params and states, whole, on every call.
+The name is bound by a ``jax.vmap`` over the workers (``spmd_axis_name``),
+with every Explicit mesh axis made Auto for the step
+(``jax.sharding.auto_axes``; the results get the inputs' types back). The
+params' split over other axes (tensor parallelism over ``model``, HSDP
+over ``fsdp``) is kept: nothing is gathered. Auto, because on jax 0.10.2 a
+``psum`` over a vmapped axis of an operand with an Explicit split fails to
+type its result (its positional reduction keeps the operand's spec), as
+the default mean's does. A ``shard_map`` manual over the workers' axis
+alone would keep the Explicit types, but its boundary gathers every input
+split over another Explicit axis (its ``in_shardings`` name the manual
+axis only): the params and states, whole, on every call.
 
-The default float32 mean takes the first; a user's ``outer_reduction``
-the second, which keeps its blocks' bytes on the wire (see the
-low-communication guide).
+A user's ``outer_reduction`` thus sees whole leaves on Auto axes. A codec
+there would reshape them whole (packing its codes) and XLA would move the
+codes over ``model`` to lay the reshape out; so the split each leaf had
+before the map is handed to the sync (``layouts=``), and a codec codes
+each device's block where it lies (`gradaccum_jax._codecs._auto_blocks`).
 """
 
 from __future__ import annotations
@@ -56,8 +54,6 @@ def run_stacked(
     params: Any,
     weight: Any,
     init_fn: Callable[[Any], Any],
-    *,
-    typed_blocks: bool,
 ) -> tuple[Any, Any]:
     """Runs ``worker_fn(grads, state, params, weight)`` once per stacked worker.
 
@@ -66,11 +62,9 @@ def run_stacked(
     a scalar (the same for every worker) or one per worker (shape
     ``(n,)``). The results come back stacked the same way. ``init_fn`` (one
     worker's ``init``) says how a state restored from host arrays is laid
-    out over the other mesh axes. ``typed_blocks``: ``worker_fn`` reads
-    each device's block of a split leaf from its Explicit type (a user's
-    ``outer_reduction``): a ``shard_map`` manual over the workers' axis,
-    which gathers the other Explicit splits; else a ``vmap``, which keeps
-    them (see the module's docstring).
+    out over the other mesh axes. ``worker_fn`` also gets ``layouts=``:
+    per param leaf, its split over the other mesh axes, which the map
+    leaves to the compiler (see the module's docstring).
     """
     check_stacked(params, axis_name, "diloco")
     per_worker_weight = weight is not None and np.ndim(weight) != 0
@@ -84,29 +78,7 @@ def run_stacked(
         state = _split_like(state, _state_layout(init_fn, params), axis_name)
     if per_worker_weight:
         weight = rows_split(jnp.asarray(weight), axis_name)
-    run = _manual if typed_blocks else _mapped
-    return run(worker_fn, axis_name, grads, state, params, weight)
-
-
-def _manual(worker_fn, axis_name, grads, state, params, weight):
-    """`run_stacked` in a ``shard_map`` manual over the workers' axis."""
-    per_worker_weight = weight is not None and np.ndim(weight) != 0
-
-    def block(grads, state, params, weight):
-        if per_worker_weight:
-            weight = weight[0]
-        updates, state = worker_fn(
-            *jax.tree.map(first_row, (grads, state, params)), weight
-        )
-        return jax.tree.map(lambda leaf: leaf[None], (updates, state))
-
-    spec = P(axis_name)
-    return jax.shard_map(
-        block,
-        in_specs=(spec, spec, spec, spec if per_worker_weight else P()),
-        out_specs=spec,
-        axis_names={axis_name},
-    )(grads, state, params, weight)
+    return _mapped(worker_fn, axis_name, grads, state, params, weight)
 
 
 def _mapped(worker_fn, axis_name, grads, state, params, weight):
@@ -123,9 +95,18 @@ def _mapped(worker_fn, axis_name, grads, state, params, weight):
         check_vma=False,
     )(state.cycle_step)
 
+    # Read before the map makes the Explicit axes Auto: each leaf's split
+    # over the other axes, for a codec that codes each device's block.
+    # On an Auto mesh nothing says it (the compiler chose it): None.
+    layouts = (
+        [tuple(_tree.partitions(leaf)[1:]) for leaf in jax.tree.leaves(params)]
+        if explicit_axes()
+        else None
+    )
+
     def one_worker(grads, state, params, weight, step):
         updates, state = worker_fn(
-            grads, state._replace(cycle_step=step), params, weight
+            grads, state._replace(cycle_step=step), params, weight, layouts=layouts
         )
         return updates, state._replace(cycle_step=None), state.cycle_step
 

@@ -71,8 +71,14 @@ def worker_update(
     weight: Any,
     extra_args: dict,
     config: WorkerConfig,
+    layouts: list[Any] | None = None,
 ) -> tuple[Any, DiLoCoState]:
-    """One call of `diloco`'s update on one worker."""
+    """One call of `diloco`'s update on one worker.
+
+    ``layouts``: per param leaf, its split over mesh axes its type does not
+    show (the stacked workers' map), for the ``outer_reduction``; None
+    where the types show it.
+    """
     updates, inner_state, weight = inner_step(
         grads, state, params, weight, extra_args, config
     )
@@ -95,7 +101,12 @@ def worker_update(
             _sync_pieces,
             params=_fragments.take(param_leaves, fragment),
             fragment=fragment,
-            config=SyncConfig(config.outer, config.reduction, index),
+            config=SyncConfig(
+                config.outer,
+                config.reduction,
+                index,
+                None if layouts is None else _fragments.take(layouts, fragment),
+            ),
         )
         carry = run_if(state.cycle_step == offset, sync, carry)
         update_leaves = _fragments.put(update_leaves, fragment, carry.updates)
