@@ -30,10 +30,13 @@ Two tasks:
   timed alone: the median of the calls that reduce (the window's last,
   the cycle's sync) and of the others are reported too, measured under the
   same load of other programs.
-  ``--budget`` bounds a variant's time: once its first call and warmup
-  have taken that long, the warmup ends, and the repeats stop after the
-  first timed one past it; on a slow link a float32 sync takes tens of
-  seconds, and one repeat of it is what the budget allows.
+  ``--budget`` bounds a variant's time after its first call (which
+  compiles): the warmup ends once it is spent (or is skipped when the
+  first call alone took longer), and the repeats stop after the first
+  timed one past it; on a slow link a float32 sync takes tens of seconds,
+  and one repeat of it is what the budget allows. Process 0 decides, for
+  both: each process stopping by its own clock could run one repeat more
+  than the other.
 - ``accuracy``: the same optimizers training a small MLP on
   scikit-learn's ``load_digits`` for a fixed number of updates, per seed;
   the test accuracy shows what compression costs in accuracy (for
