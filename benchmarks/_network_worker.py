@@ -17,11 +17,26 @@ Two tasks:
   process steps its own params, and every 32 steps one float32 all-reduce
   of the outer gradient; the params are per device, ``P(AXIS)``) and
   ``diloco32t`` (the same with the outer gradient sent as ternary codes,
-  ``outer_reduction=ternary_average_across_devices``). The
+  ``outer_reduction=ternary_average_across_devices``) and
+  ``diloco32_e2m1``, ``diloco32_topk3``, ``diloco32_topk1`` (the same with
+  ``compressed_average_across_devices`` and a codec: `codecs.quantized`
+  with bits=4, E2M1 codes; `codecs.topk` at 3 % of each chunk in 4 bits;
+  `codecs.topk` at 1 % in 2 bits, SparseLoCo's setting). The
   loss is cheap (4 examples per device) so that communication shows. Each
   repeat runs one step (one window of 8 micro-steps for ``accum8``, one
   cycle of 32 steps, its sync included, for DiLoCo) and waits for it
   with ``jax.block_until_ready``; the median over repeats is reported.
+  Within a window or cycle each call waits for the one before and is
+  timed alone: the median of the calls that reduce (the window's last,
+  the cycle's sync) and of the others are reported too, measured under the
+  same load of other programs.
+  ``--budget`` bounds a variant's time after its first call (which
+  compiles): the warmup ends once it is spent (or is skipped when the
+  first call alone took longer), and the repeats stop after the first
+  timed one past it; on a slow link a float32 sync takes tens of seconds,
+  and one repeat of it is what the budget allows. Process 0 decides, for
+  both: each process stopping by its own clock could run one repeat more
+  than the other.
 - ``accuracy``: the same optimizers training a small MLP on
   scikit-learn's ``load_digits`` for a fixed number of updates, per seed;
   the test accuracy shows what compression costs in accuracy (for
@@ -50,10 +65,14 @@ from typing import Any
 import numpy as np
 
 AXIS = "data"
-VARIANTS = ("f32", "ternary", "accum8", "diloco32", "diloco32t")
 # DiLoCo's workers hold their own params (``P(AXIS)``) and run cycles of
-# SYNC_EVERY steps.
-DILOCO_VARIANTS = ("diloco32", "diloco32t")
+# SYNC_EVERY steps; the codec variants send the outer gradients through
+# `compressed_average_across_devices` with the codec named by
+# `diloco_codec`.
+DILOCO_VARIANTS = (
+    "diloco32", "diloco32t", "diloco32_e2m1", "diloco32_topk3", "diloco32_topk1"
+)  # fmt: skip
+VARIANTS = ("f32", "ternary", "accum8", *DILOCO_VARIANTS)
 EVERY_K = 8
 SYNC_EVERY = 32
 LEARNING_RATE = 1e-3
@@ -96,7 +115,30 @@ def make_optimizer(variant: str, learning_rate: float, seed: int = 0):
             axis_name=AXIS,
             outer_reduction=ga.ternary_average_across_devices(AXIS, seed=seed),
         )
+    if variant in DILOCO_VARIANTS:
+        return ga.diloco(
+            optax.sgd(learning_rate),
+            SYNC_EVERY,
+            axis_name=AXIS,
+            outer_reduction=ga.compressed_average_across_devices(
+                AXIS, diloco_codec(variant), seed=seed
+            ),
+        )
     raise ValueError(f"unknown variant {variant!r}, expected one of {VARIANTS}")
+
+
+def diloco_codec(variant: str):
+    """The codec of a ``diloco32_<codec>`` variant's outer gradients: the
+    settings that met (E2M1, top-k 3 % in 4 bits) or missed (top-k 1 % in
+    2 bits, the fewest bytes) the loss of float32 DiLoCo in
+    ``bench_low_communication.py``."""
+    from gradaccum_jax import codecs
+
+    return {
+        "diloco32_e2m1": codecs.quantized(bits=4),
+        "diloco32_topk3": codecs.topk(0.03, bits=4),
+        "diloco32_topk1": codecs.topk(0.01),
+    }[variant]
 
 
 def init_mlp(layers: tuple[int, ...], seed: int) -> dict[str, np.ndarray]:
@@ -214,10 +256,50 @@ class DataParallel:
         return params, self._init(params)
 
 
+def received_bytes(compiled: Any) -> dict[str, float]:
+    """Bytes each device receives per call of ``compiled``, by place:
+    ``"entry"`` on every call, ``"loop"`` once per trip of a loop (DiLoCo's
+    sync, accumulation's emission). Every collective, by the ring estimates:
+    an all-reduce of S bytes over n devices 2 (n - 1) / n S, the others
+    (n - 1) / n of their larger buffer."""
+    import gradaccum_jax as ga
+
+    received: dict[str, float] = {}
+    for c in ga.measure.collectives(compiled):
+        size = (
+            2 * c.nbytes if c.kind == "all-reduce" else max(c.nbytes, c.operand_nbytes)
+        )
+        share = (c.group_size - 1) / c.group_size * size
+        received[c.place] = received.get(c.place, 0.0) + share
+    return received
+
+
+def over_budget(mine: bool) -> bool:
+    """Process 0's answer, on every process: each decides alone from its own
+    clock, and a process that times one more repeat than the other waits
+    for collectives the other never joins."""
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(mine)))
+
+
 def time_variant(
-    devices: list[Any], variant: str, warmup: int, repeats: int
+    devices: list[Any],
+    variant: str,
+    warmup: int,
+    repeats: int,
+    budget_s: float,
+    count_bytes: bool = False,
 ) -> dict[str, Any]:
-    """Milliseconds per step (per window of EVERY_K micro-steps for accum8)."""
+    """Milliseconds per step (per window of EVERY_K micro-steps for accum8).
+
+    Warmup and repeats stop early once ``budget_s`` seconds have passed
+    since the first call (compilation) ended, at least one repeat timed,
+    and there is no warmup when the first call alone took longer: on a
+    slow link one float32 sync takes longer than the budget. With
+    ``count_bytes``, also the bytes the compiled step's collectives move
+    (`received_bytes`; one more compilation).
+    """
     import jax
 
     n = len(devices)
@@ -242,12 +324,33 @@ def time_variant(
     start = time.perf_counter()
     params, state = trainer.step(params, state, x, y)
     jax.block_until_ready((params, state))
-    compile_s = time.perf_counter() - start
-    times = []
+    began = time.perf_counter()
+    compile_s = began - start
+    if over_budget(compile_s > budget_s):
+        warmup = 0  # that call was warmup enough: it ran a whole slow sync
+    calls = 1
+    times: list[float] = []
+    # Each call of a window (accum8) or cycle (DiLoCo) timed alone: the one
+    # that reduces (the window's last, the cycle's sync) apart from the
+    # others, both under the same load of other programs.
+    local_ms: list[float] = []
+    sync_ms: list[float] = []
     for i in range(warmup + repeats):
+        if over_budget(time.perf_counter() - began > budget_s):
+            if times:
+                break  # at least one repeat timed
+            if i < warmup:
+                continue  # skip the rest of the warmup, time one repeat
         start = time.perf_counter()
         for _ in range(steps):
+            call_start = time.perf_counter()
             params, state = trainer.step(params, state, x, y)
+            if steps > 1:
+                jax.block_until_ready((params, state))
+            calls += 1
+            if i >= warmup and steps > 1:
+                ms = 1e3 * (time.perf_counter() - call_start)
+                (sync_ms if calls % steps == 0 else local_ms).append(ms)
         jax.block_until_ready((params, state))
         if i >= warmup:
             times.append(1e3 * (time.perf_counter() - start))
@@ -257,10 +360,16 @@ def time_variant(
         "num_params": num_params,
         "ms_per_step": median / steps,
         "ms_all": times,
+        "repeats": len(times),
         "first_call_s": compile_s,
     }
     if steps > 1:
         result["ms_per_window"] = median
+        result["ms_local_call"] = statistics.median(local_ms)
+        result["ms_sync_call"] = statistics.median(sync_ms)
+    if count_bytes:
+        compiled = trainer.step.lower(params, state, x, y).compile()
+        result["received_bytes"] = received_bytes(compiled)
     return result
 
 
@@ -341,6 +450,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--updates", type=int, default=300)
+    parser.add_argument(
+        "--budget", type=float, default=60, help="seconds of timing per variant"
+    )
+    parser.add_argument(
+        "--count-bytes",
+        action="store_true",
+        help="also read each variant's collective bytes from its compiled step",
+    )
     parser.add_argument("--timeout", type=int, default=60, help="seconds")
     args = parser.parse_args()
 
@@ -368,7 +485,16 @@ def main() -> None:
     results = []
     for variant in variants:
         if args.task == "timing":
-            results.append(time_variant(devices, variant, args.warmup, args.repeats))
+            results.append(
+                time_variant(
+                    devices,
+                    variant,
+                    args.warmup,
+                    args.repeats,
+                    args.budget,
+                    args.count_bytes,
+                )
+            )
         else:
             for seed in range(args.seeds):
                 results.append(train_digits(devices, variant, seed, args.updates))

@@ -173,6 +173,17 @@ LOW_COMMUNICATION_STYLE = {
     "DiLoCo H=128": {"color": "#08306b", "marker": "^"},
     "DiLoCo H=32 ternary": {"color": "tab:orange", "marker": "v", "linestyle": "--"},
     "DiLoCo H=32 F=4": {"color": "tab:green", "marker": "D", "linestyle": ":"},
+    "DiLoCo H=32 int8": {"color": "tab:purple", "marker": "P", "linestyle": "-."},
+    "DiLoCo H=32 e2m1": {"color": "tab:red", "marker": "P", "linestyle": "-."},
+    "DiLoCo H=32 topk 1%": {"color": "tab:brown", "marker": "X", "linestyle": "-."},
+    "DiLoCo H=32 topk 3% 4-bit": {
+        "color": "tab:pink",
+        "marker": "X",
+        "linestyle": "-.",
+    },
+    "DiLoCo H=32 PowerSGD r4": {"color": "tab:olive", "marker": "*", "linestyle": "-."},
+    "DP topk 1%": {"color": "tab:cyan", "marker": "x", "linestyle": "--"},
+    "DP PowerSGD r4": {"color": "tab:gray", "marker": "*", "linestyle": "--"},
 }
 
 
@@ -202,6 +213,45 @@ def low_communication(data: dict, path: Path, where: str) -> Path:
         fontsize=10,
     )
     return _save(fig, path)
+
+
+def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
+    """Final validation loss against total bytes, one point per method and a
+    panel per task (record of ``bench_low_communication.py``), both as
+    ratios to data parallel float32's in the same record."""
+    fig, axes = plt.subplots(
+        1, len(records), figsize=(5 * len(records) + 2.5, 4.6), squeeze=False
+    )
+    legend = {}
+    for ax, data in zip(axes[0], records, strict=True):
+        base = data["curves"]["DP float32"]
+        for name, curve in data["curves"].items():
+            style = LOW_COMMUNICATION_STYLE.get(name, {})
+            (legend[name],) = ax.plot(
+                curve["bytes"][-1] / base["bytes"][-1],
+                curve["loss"][-1] / base["loss"][-1],
+                linestyle="none", markersize=8, label=name,
+                color=style.get("color"), marker=style.get("marker", "o"),
+            )  # fmt: skip
+        ax.set_xscale("log")
+        low, high = ax.get_ylim()
+        legend["loss within 2 % of DP float32"] = ax.axhspan(
+            low, 1.02, color="tab:green", alpha=0.08
+        )
+        ax.set_ylim(low, high)
+        ax.axhline(1.0, color="black", linewidth=0.8, alpha=0.5)
+        ax.set_xlabel("bytes received / DP float32's (compiled HLO x runs)")
+        ax.set_ylabel(f"final validation loss / DP float32's ({data['seeds']} seeds)")
+        ax.set_title(
+            f"{data['model']},\n{data['steps']} steps x {data['devices']} devices",
+            fontsize=9,
+        )
+        ax.grid(True, which="both", alpha=0.3)
+    # One legend for all panels, beside them: the points fill the corners.
+    fig.legend(legend.values(), legend.keys(), loc="center right", fontsize=8)
+    fig.suptitle(f"Loss against bytes, every method at the end of training ({where})",
+                 fontsize=10)  # fmt: skip
+    return _save(fig, path, rect=(0, 0, 1 - 2.4 / (5 * len(records) + 2.5), 1))
 
 
 def scale(results: list[dict], path: Path, where: str) -> Path:

@@ -55,6 +55,11 @@ figures to ``benchmarks/plots/low_communication.json``.
 rate, 2048 steps: 64 syncs at H=32) and writes
 ``low_communication_transformer.png`` / ``.json``.
 
+Each run also draws ``low_communication_loss_bytes.png``: every method's
+final validation loss against its total bytes, both as ratios to data
+parallel float32's, one panel per task whose ``.json`` is in the plot
+directory. ``--replot`` draws it from those files alone, training nothing.
+
 Run: ``python benchmarks/bench_low_communication.py [--steps 512]
 [--seeds 4] [--lr 2e-3] [--task digits|transformer] [--only "DP float32,
 DiLoCo H=32"]``
@@ -443,8 +448,18 @@ def main() -> None:
         default=str(HERE / "plots"),
         help="where low_communication[_transformer].png and .json go ('' to skip)",
     )
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="only draw low_communication_loss_bytes.png from the .json files "
+        "in --plot-dir (no training)",
+    )
     _headline.add_argument(parser)
     args = parser.parse_args()
+    where = f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores"
+    if args.replot:
+        print(f"wrote {draw_loss_against_bytes(Path(args.plot_dir), where)}")
+        return
     start = time.time()
     task = TASKS[args.task]()
     args.steps = task.steps if args.steps is None else args.steps
@@ -488,7 +503,6 @@ def main() -> None:
         }
     _headline.write(args.json, f"low communication, {args.task}", figures, record)
     if args.plot_dir:
-        where = f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores"
         stem = "low_communication" + ("" if args.task == "digits" else "_" + args.task)
         for path in write_figures(record, Path(args.plot_dir), where, stem):
             print(f"wrote {path}")
@@ -503,7 +517,36 @@ def write_figures(
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps(record, indent=1) + "\n")
-    return [_plots.low_communication(record, out / f"{stem}.png", where), json_path]
+    return [
+        _plots.low_communication(record, out / f"{stem}.png", where),
+        json_path,
+        draw_loss_against_bytes(out, where),
+    ]
+
+
+def draw_loss_against_bytes(out: Path, where: str) -> Path:
+    """``low_communication_loss_bytes.png`` from the tasks' figures in ``out``
+    (each task's latest run; a task never run, or run without the ``DP
+    float32`` baseline, has no panel)."""
+    import _plots
+
+    stems = [
+        "low_communication",
+        *(f"low_communication_{t}" for t in TASKS if t != "digits"),
+    ]
+    found = [out / f"{stem}.json" for stem in stems if (out / f"{stem}.json").exists()]
+    records = [
+        record
+        for record in (json.loads(path.read_text()) for path in found)
+        if "DP float32" in record["curves"]
+    ]
+    if not records:
+        raise SystemExit(
+            f"no low_communication*.json with a DP float32 run in {out}: run a task"
+        )
+    return _plots.loss_against_bytes(
+        records, out / "low_communication_loss_bytes.png", where
+    )
 
 
 def table(record: dict) -> str:

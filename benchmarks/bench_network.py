@@ -4,15 +4,21 @@ Ternary compression (`ternary_average_across_devices`) sends about a tenth
 of the bytes of a float32 mean between 2 devices but costs compute (random
 draws, clipping, packing); gradient accumulation (`MultiSteps`, k=8) sends
 float32 once per 8 micro-steps; DiLoCo (`diloco`, H=32) sends the float32
-outer gradient once per 32 steps, each process training alone in between.
+outer gradient once per 32 steps, each process training alone in between,
+or sends it through a codec of `gradaccum_jax.codecs`.
 Which is fastest depends on the network.
 This benchmark measures it, on one machine, by limiting the bandwidth of a
 loopback:
 
 - it creates its own network namespace (``gaj-bench-<pid>``), brings up its
-  loopback and, for each ``--rates`` value in Gbit/s, shapes that loopback
-  with ``tc qdisc replace dev lo root tbf rate <R>gbit ...`` (no qdisc for
-  ``unlimited``);
+  loopback with an Ethernet MTU of 1500 bytes and, for each ``--rates``
+  value in Gbit/s, shapes that loopback with ``tc qdisc replace dev lo root
+  tbf rate <R>gbit burst <B> ...`` (no qdisc for ``unlimited``). The burst
+  (the bytes that may pass at line rate) is 4 ms of traffic at the rate,
+  at least 4 packets: a sync of a few hundred KiB (top-k codes) is shaped
+  like one of tens of MiB, at 10 Mbit/s as at 1 Gbit/s; a fixed burst of
+  the loopback's 64 KiB packets would let a third of such a sync through
+  unshaped at 10 Mbit/s;
 - it launches 2 worker processes (``benchmarks/_network_worker.py``) inside
   the namespace with ``ip netns exec``, joined by ``jax.distributed`` on
   127.0.0.1 with gloo CPU collectives, one CPU device each, one mesh over
@@ -24,18 +30,24 @@ loopback:
   k=8, count_skipped=True, around the float32 mean + sgd; per micro-step
   and per window of 8) and ``diloco32`` (`diloco` with sgd as the inner
   optimizer and its default outer Nesterov step, H=32, params per
-  process; per step and per cycle of 32, its sync included) and
+  process; per step and per cycle of 32, its sync included),
   ``diloco32t`` (the same, its outer gradient sent as ternary codes with
-  ``ternary_average_across_devices``). Median of
-  ``--repeats`` after ``--warmup``;
+  ``ternary_average_across_devices``) and ``diloco32_e2m1``,
+  ``diloco32_topk3``, ``diloco32_topk1`` (sent with
+  `compressed_average_across_devices` and `codecs.quantized` (bits=4),
+  `codecs.topk` (3 %, 4 bits), `codecs.topk` (1 %, 2 bits)). Median of
+  ``--repeats`` after ``--warmup``, within ``--budget`` seconds per
+  variant: at 10 Mbit/s one float32 sync takes about 30 s, and such a
+  variant is timed from one repeat (the JSON lists each variant's count);
 - once (unshaped: bandwidth does not change the arithmetic), the workers
   train a small MLP on scikit-learn's ``load_digits`` with each variant for
   a fixed number of updates and ``--seeds`` seeds, for the test accuracy.
 
 It prints a table (rate x variant: ms per step, ratio to f32 in the same
-run, accuracy), writes the figures to ``benchmarks/network.json`` and a plot
-of step time against bandwidth, with the interpolated crossover below which
-ternary beats float32, to ``benchmarks/network.png``.
+run, step time and speed against the variant's own unlimited-link time,
+accuracy), writes the figures to ``<out-dir>/<stem>.json`` and a plot of
+step time against bandwidth, with the interpolated crossover below which
+ternary beats float32, to ``<out-dir>/<stem>.png``.
 
 The ``tbf`` shaper sits on the namespace's ``lo``, which both directions
 cross: the rate is the two processes' aggregate bandwidth.
@@ -48,7 +60,7 @@ namespace is deleted, and the workers killed, on exit, error or Ctrl-C.
 
 Run (as root)::
 
-    PYTHONPATH=. python benchmarks/bench_network.py --rates 0.1 1 10 unlimited
+    PYTHONPATH=. python benchmarks/bench_network.py --rates unlimited 1 0.1 0.01
 """
 
 from __future__ import annotations
@@ -67,19 +79,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from _network_worker import DILOCO_VARIANTS, EVERY_K, SYNC_EVERY, VARIANTS
+
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 WORKER = HERE / "_network_worker.py"
 NUM_PROCESSES = 2
-VARIANTS = ("f32", "ternary", "accum8", "diloco32", "diloco32t")
-DILOCO_VARIANTS = ("diloco32", "diloco32t")
-EVERY_K = 8
-SYNC_EVERY = 32
-# tbf: 4 ms of traffic per burst, at least 256 KiB (loopback's GSO packets
-# reach 64 KiB, and a burst smaller than a packet would drop it), and up to
-# 100 ms of queue before drops.
+# The namespace's loopback gets an Ethernet MTU: TCP then sends segments of
+# about 1.5 KB, which tbf splits GSO packets into, so that the burst can be
+# a few packets. With loopback's default 64 KiB MTU the burst must hold a
+# 64 KiB packet (tbf drops a packet larger than its burst), 52 ms of
+# traffic at 10 Mbit/s: a small sync would pass largely unshaped.
+MTU = 1500
+# tbf: 4 ms of traffic per burst, at least 4 packets (the Ethernet header
+# included), and up to 100 ms of queue before drops.
 BURST_SECONDS = 0.004
-MIN_BURST_BYTES = 256 * 1024
+MIN_BURST_BYTES = 4 * (MTU + 14)
 QUEUE_LATENCY = "100ms"
 
 
@@ -127,6 +142,12 @@ def parse_rate(text: str) -> float:
     return rate
 
 
+def burst_bytes(rate: float) -> int:
+    """tbf's burst at ``rate`` Gbit/s: BURST_SECONDS of traffic, at least
+    MIN_BURST_BYTES (10 Mbit/s: 6,056 bytes; 1 Gbit/s: 500,000)."""
+    return max(MIN_BURST_BYTES, int(rate * 1e9 / 8 * BURST_SECONDS))
+
+
 def rate_label(rate: float) -> str:
     return "unlimited" if math.isinf(rate) else f"{rate:g} Gbit/s"
 
@@ -138,7 +159,7 @@ class Namespace:
         self.name = name
         run("ip", "netns", "add", name)
         self.created = True
-        run("ip", "-n", name, "link", "set", "lo", "up")
+        run("ip", "-n", name, "link", "set", "lo", "mtu", str(MTU), "up")
 
     def shape(self, rate: float) -> str:
         """Limits the namespace's loopback to ``rate`` Gbit/s; returns the qdisc."""
@@ -150,7 +171,7 @@ class Namespace:
                 capture_output=True, timeout=30, check=False,
             )  # fmt: skip
         else:
-            burst = max(MIN_BURST_BYTES, int(rate * 1e9 / 8 * BURST_SECONDS))
+            burst = burst_bytes(rate)
             run(
                 "ip", "netns", "exec", self.name, "tc", "qdisc", "replace", "dev",
                 "lo", "root", "tbf", "rate", f"{rate:g}gbit", "burst", str(burst),
@@ -332,7 +353,23 @@ def crossover(points: list[dict]) -> dict:
     return {"gbit": None, "note": "no single crossover in the measured rates"}
 
 
+PLOT_STYLES = {
+    "f32": ("float32 mean", "o-", "C0"),
+    "ternary": ("ternary mean", "s-", "C1"),
+    "accum8": ("accum k=8, per micro-step", "^-", "C2"),
+    "accum8_window": ("accum k=8, per window of 8", "^:", "C2"),
+    "diloco32": ("DiLoCo H=32, per step", "D-", "C3"),
+    "diloco32_window": ("DiLoCo H=32, per cycle of 32", "D:", "C3"),
+    "diloco32t": ("DiLoCo H=32 ternary outer, per step", "v-", "C4"),
+    "diloco32_e2m1": ("DiLoCo H=32 E2M1 outer, per step", "P-", "C5"),
+    "diloco32_topk3": ("DiLoCo H=32 top-k 3 % 4-bit outer, per step", "X-", "C6"),
+    "diloco32_topk1": ("DiLoCo H=32 top-k 1 % 2-bit outer, per step", "*-", "C7"),
+}
+
+
 def plot(points: list[dict], cross: dict, path: Path, title: str) -> None:
+    """Step time against bandwidth (left) and each variant's speed as a
+    fraction of its own on the unlimited link (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -344,46 +381,102 @@ def plot(points: list[dict], cross: dict, path: Path, title: str) -> None:
     def x_of(rate: float) -> float:
         return unlimited_x if math.isinf(rate) else rate
 
-    styles = {
-        "f32": ("float32 mean", "o-", "C0"),
-        "ternary": ("ternary mean", "s-", "C1"),
-        "accum8": ("accum k=8, per micro-step", "^-", "C2"),
-        "accum8_window": ("accum k=8, per window of 8", "^:", "C2"),
-        "diloco32": ("DiLoCo H=32, per step", "D-", "C3"),
-        "diloco32_window": ("DiLoCo H=32, per cycle of 32", "D:", "C3"),
-        "diloco32t": ("DiLoCo H=32 ternary outer, per step", "v-", "C4"),
-    }
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (time_ax, speed_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
     ordered = sorted(points, key=lambda p: x_of(p["rate"]))
-    for key, (label, style, color) in styles.items():
+    slowdown = versus_unlimited(points)
+    for key, (label, style, color) in PLOT_STYLES.items():
         xs = [x_of(p["rate"]) for p in ordered if key in p["ms"]]
         ys = [p["ms"][key] for p in ordered if key in p["ms"]]
         if xs:
-            ax.plot(xs, ys, style, color=color, label=label)
+            time_ax.plot(xs, ys, style, color=color, label=label)
+        own = slowdown.get(key, {})
+        rates = [p for p in ordered if p["label"] in own]
+        if rates:
+            speed_ax.plot(
+                [p["rate"] for p in rates],
+                [100 / own[p["label"]] for p in rates],
+                style, color=color, label=label,
+            )  # fmt: skip
     if cross["gbit"] is not None:
-        ax.axvline(cross["gbit"], color="grey", linestyle="--")
-        ax.annotate(
+        time_ax.axvline(cross["gbit"], color="grey", linestyle="--")
+        time_ax.annotate(
             f"ternary faster below\n~{cross['gbit']:.2g} Gbit/s",
             (cross["gbit"], 0.95), xycoords=("data", "axes fraction"),
             ha="right", va="top", fontsize=8, color="dimgrey",
         )  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ticks = sorted({x_of(p["rate"]) for p in points})
-    ax.set_xticks(ticks)
-    ax.set_xticklabels(
-        ["unlimited" if t == unlimited_x and any(math.isinf(p["rate"]) for p in points)
-         else f"{t:g}" for t in ticks]
-    )  # fmt: skip
-    ax.minorticks_off()
-    ax.set_xlabel("loopback bandwidth (Gbit/s, both directions together)")
-    ax.set_ylabel("ms per step (median)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8)
+    time_ax.set_yscale("log")
+    time_ax.set_ylabel("ms per step (median)")
+    speed_ax.axhline(85, color="grey", linestyle="--", linewidth=0.8)
+    speed_ax.set_ylabel("speed, % of the same variant on the unlimited link")
+    speed_ax.set_ylim(0, 110)
+    for ax in (time_ax, speed_ax):
+        ax.set_xscale("log")
+        ticks = sorted({x_of(p["rate"]) for p in points})
+        if ax is speed_ax:
+            ticks = sorted(finite)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(
+            ["unlimited" if t == unlimited_x and ax is time_ax else f"{t:g}"
+             for t in ticks]
+        )  # fmt: skip
+        ax.minorticks_off()
+        ax.set_xlabel("loopback bandwidth (Gbit/s, both directions together)")
+        ax.grid(True, which="major", alpha=0.3)
+    time_ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def versus_unlimited(points: list[dict]) -> dict[str, dict[str, float]]:
+    """Each variant's step time at each finite rate over its own time on the
+    unlimited link: 1.0 is as fast as with no limit, 1 / 0.85 = 1.18 is
+    85 % of that speed."""
+    unlimited = next((p["ms"] for p in points if math.isinf(p["rate"])), {})
+    return {
+        variant: {
+            p["label"]: p["ms"][variant] / unlimited[variant]
+            for p in points
+            if math.isfinite(p["rate"]) and variant in p["ms"]
+        }
+        for variant in VARIANTS
+        if variant in unlimited
+    }
+
+
+def load_matched_speed(points: list[dict]) -> dict[str, dict[str, float]]:
+    """Speed of each windowed variant (accum8, DiLoCo) at each finite rate as
+    a fraction of its unlimited-link speed, from one launch's own local calls.
+
+    A window of W calls costs ``W * local + extra``, where ``local`` is the
+    median call that does not reduce and ``extra`` what the reducing call
+    costs beyond one. Other programs' load changes ``local`` from launch to
+    launch (2x on the shared development machine); this takes ``local``
+    from the rate's own launch for both the unlimited and the limited
+    window, and ``extra`` from each: the speed the link alone leaves.
+    """
+    runs = {
+        p["label"]: {r["variant"]: r for r in p["runs"] if "ms_sync_call" in r}
+        for p in points
+    }
+    unlimited = next((runs[p["label"]] for p in points if math.isinf(p["rate"])), {})
+    speeds: dict[str, dict[str, float]] = {}
+    for p in points:
+        if math.isinf(p["rate"]):
+            continue
+        for variant, run_ in runs[p["label"]].items():
+            if variant not in unlimited:
+                continue
+            calls = EVERY_K if variant == "accum8" else SYNC_EVERY
+            base = unlimited[variant]
+            local = run_["ms_local_call"]
+            extra = run_["ms_sync_call"] - local
+            extra_unlimited = base["ms_sync_call"] - base["ms_local_call"]
+            speeds.setdefault(variant, {})[p["label"]] = (
+                calls * local + extra_unlimited
+            ) / (calls * local + extra)
+    return speeds
 
 
 def table(points: list[dict], accuracy: dict[str, list[float]]) -> str:
@@ -394,25 +487,53 @@ def table(points: list[dict], accuracy: dict[str, list[float]]) -> str:
         mean = 100 * sum(values) / len(values)
         return f"{mean:.1f} % ({100 * min(values):.1f}..{100 * max(values):.1f})"
 
+    slowdown = versus_unlimited(points)
+    matched = load_matched_speed(points)
     rows = [
-        "| bandwidth | variant | ms / step | ms / window | vs f32 | test accuracy |",
-        "|---|---|---:|---:|---:|---|",
+        "| bandwidth | variant | ms / step | ms / window | repeats | vs f32 "
+        "| vs own unlimited | speed | speed, load-matched | test accuracy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for p in points:
         for variant in VARIANTS:
             if variant not in p["ms"]:
                 if variant in p.get("errors", {}):
-                    rows.append(f"| {p['label']} | {variant} | failed | | | |")
+                    rows.append(f"| {p['label']} | {variant} | failed |" + " |" * 7)
                 continue
             ms = p["ms"][variant]
             window = p["ms"].get(f"{variant}_window")
             base = p["ms"].get("f32")
-            ratio = f"{ms / base:.2f}" if base else "-"
+            ratio = f"{ms / base:.3f}" if base else "-"
+            repeats = next(
+                (r.get("repeats", "") for r in p["runs"] if r["variant"] == variant),
+                "",
+            )
+            own = slowdown.get(variant, {}).get(p["label"])
+            own_text = "-" if own is None else f"{own:.2f}x"
+            speed = "-" if own is None else f"{100 / own:.0f} %"
+            same_load = matched.get(variant, {}).get(p["label"])
+            same_load_text = "-" if same_load is None else f"{100 * same_load:.0f} %"
             rows.append(
                 f"| {p['label']} | {variant} | {ms:.1f} | "
-                f"{'' if window is None else f'{window:.1f}'} | {ratio} | "
-                f"{acc_text(variant)} |"
+                f"{'' if window is None else f'{window:.1f}'} | {repeats} | {ratio} | "
+                f"{own_text} | {speed} | {same_load_text} | {acc_text(variant)} |"
             )
+    return "\n".join(rows)
+
+
+def bytes_table(points: list[dict]) -> str:
+    """What each device receives, per step and per sync or window, from the
+    compiled steps of the first rate's run (`_network_worker.received_bytes`)."""
+    rows = [
+        "| variant | kB received per step | kB per sync / window |",
+        "|---|---:|---:|",
+    ]
+    for run_ in next((p["runs"] for p in points if p["runs"]), []):
+        received = run_.get("received_bytes", {})
+        rows.append(
+            f"| {run_['variant']} | {received.get('entry', 0) / 1e3:.1f} "
+            f"| {received.get('loop', 0) / 1e3:.1f} |"
+        )
     return "\n".join(rows)
 
 
@@ -429,12 +550,19 @@ def main() -> None:
         "--rates",
         nargs="+",
         type=parse_rate,
-        default=[0.1, 1.0, 10.0, math.inf],
-        help="Gbit/s, or 'unlimited' (default: 0.1 1 10 unlimited)",
+        default=[math.inf, 1.0, 0.1, 0.01],
+        help="Gbit/s, or 'unlimited' (default: unlimited 1 0.1 0.01)",
     )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=20,
+        help="seconds of warmup and repeats per variant and rate (at least one "
+        "repeat is timed)",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="0 skips accuracy")
     parser.add_argument(
         "--updates", type=int, default=300, help="optimizer updates per accuracy run"
@@ -443,6 +571,9 @@ def main() -> None:
         "--timeout", type=float, default=600, help="seconds per launch of the 2 workers"
     )
     parser.add_argument("--out-dir", type=Path, default=HERE)
+    parser.add_argument(
+        "--stem", default="network", help="the figures go to <stem>.json and .png"
+    )
     args = parser.parse_args()
     preflight()
 
@@ -474,6 +605,9 @@ def main() -> None:
                 worker_args = [
                     "--task=timing", f"--variants={args.variants}",
                     f"--warmup={args.warmup}", f"--repeats={args.repeats}",
+                    f"--budget={args.budget}",
+                    # Bytes do not depend on the rate: read once.
+                    *(["--count-bytes"] if not points else []),
                 ]  # fmt: skip
                 t0 = time.monotonic()
                 try:
@@ -485,6 +619,8 @@ def main() -> None:
                     point["errors"] = {v: str(error)[:500] for v in VARIANTS}
                     runs = []
                 point["seconds"] = time.monotonic() - t0
+                # Other programs' load skews the timings: kept with them.
+                point["load_average"] = os.getloadavg()
                 for run_ in runs:
                     point["ms"][run_["variant"]] = run_["ms_per_step"]
                     if "ms_per_window" in run_:
@@ -530,16 +666,27 @@ def main() -> None:
     print()
     print(table(points, accuracy))
     print()
+    print(bytes_table(points))
+    print()
     where = "none" if cross["gbit"] is None else f"{cross['gbit']:.3g} Gbit/s"
     print(f"crossover: {where} ({cross['note']})")
     for variant, ratios in versus_f32.items():
         for label, ratio in ratios.items():
             print(f"{variant} / f32 step time at {label}: {ratio:.3f}")
+    own_unlimited = versus_unlimited(points)
+    for variant, ratios in own_unlimited.items():
+        for label, ratio in ratios.items():
+            print(
+                f"{variant} at {label}: {ratio:.3f}x its unlimited step time "
+                f"({100 / ratio:.0f} % of its speed)"
+            )
+    for p in points:
+        print(f"load average (1, 5, 15 min) after {p['label']}: {p['load_average']}")
     print(f"total: {time.monotonic() - started:.0f} s")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = args.out_dir / "network.json"
-    png_path = args.out_dir / "network.png"
+    json_path = args.out_dir / f"{args.stem}.json"
+    png_path = args.out_dir / f"{args.stem}.png"
     record = {
         "machine": {
             "platform": platform.platform(),
@@ -554,7 +701,15 @@ def main() -> None:
         "num_params": num_params,
         "every_k": EVERY_K,
         "sync_every": SYNC_EVERY,
+        "mtu": MTU,
+        "burst_bytes": {
+            rate_label(rate): burst_bytes(rate)
+            for rate in args.rates
+            if math.isfinite(rate)
+        },
         "diloco_vs_f32": versus_f32,
+        "vs_own_unlimited": own_unlimited,
+        "load_matched_speed": load_matched_speed(points),
         # JSON has no infinity: the unlimited rate is written as null.
         "points": [
             {**p, "rate": None if math.isinf(p["rate"]) else p["rate"]} for p in points
