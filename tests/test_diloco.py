@@ -958,8 +958,18 @@ def _largest_sync(compiled):
 SCANNED_2D_SPECS = {"w1": P(None, None, "model"), "w2": P(None, "model", None)}
 
 
-@pytest.mark.parametrize("ternary", [False, True], ids=["f32", "ternary"])
-@pytest.mark.parametrize("layout", ["1d-explicit", "2d-tp", "2d-auto-tp"])
+# Pairwise: each layout with one outer reduction, each reduction on a 2-D
+# (tensor-parallel) layout; Explicit and Auto both meet the ternary codes.
+@pytest.mark.parametrize(
+    ("layout", "ternary"),
+    [
+        ("1d-explicit", False),
+        ("2d-tp", True),
+        ("2d-auto-tp", False),
+        ("2d-auto-tp", True),
+    ],
+    ids=["1d-explicit-f32", "2d-tp-ternary", "2d-auto-tp-f32", "2d-auto-tp-ternary"],
+)
 def test_fragments_of_scanned_layers_each_sync_a_quarter_of_the_bytes(
     layout, ternary, monkeypatch
 ):
