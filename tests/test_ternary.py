@@ -17,7 +17,8 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
-from gradaccum_jax._ternary import _accumulator, _device_mean, _quantize
+from gradaccum_jax._codecs import _packing
+from gradaccum_jax._ternary import _accumulator, _quantize
 from helpers import EAGER_AND_JIT
 
 NUM_DEVICES = 8
@@ -343,7 +344,7 @@ def test_packed_codes_sum_exactly_for_any_number_of_devices():
             for key, shape in zip(keys, [(257,), (3, 5)], strict=True)
         ]
         sums = jax.vmap(
-            lambda *c, n=num_devices: _device_mean.packed_psum(list(c), "i", n),
+            lambda *c, n=num_devices: _packing.packed_sum(list(c), "i", n, 1),
             axis_name="i",
         )(*leaves)
         for leaf, leaf_sums in zip(leaves, sums, strict=True):
@@ -363,9 +364,9 @@ def test_packed_codes_of_any_shape_come_back_in_place(shape, words):
     # 8 devices: 7 digits per word, planes of whole rows.
     codes = jax.random.randint(jax.random.key(0), (NUM_DEVICES, *shape), -1, 2)
     codes = codes.astype(jnp.int8)
-    assert _device_mean.pack_codes(codes[0], NUM_DEVICES).shape == (words,)
+    assert _packing.pack(codes[0], NUM_DEVICES, 1).shape == (words,)
     sums = jax.vmap(
-        lambda c: _device_mean.packed_psum([c], "i", NUM_DEVICES)[0], axis_name="i"
+        lambda c: _packing.packed_sum([c], "i", NUM_DEVICES, 1)[0], axis_name="i"
     )(codes)
     assert sums.shape == codes.shape and sums.dtype == jnp.int32
     np.testing.assert_array_equal(sums[3], codes.astype(jnp.int32).sum(0))
@@ -657,7 +658,7 @@ def test_bad_inputs_name_the_leaf():
 
 def test_packed_psum_digits_per_word_and_extremes():
     # base 2n + 1: 13 codes per word for 2 devices, 10 for 4, 7 for 8.
-    assert [_device_mean._digits_per_word(n) for n in (1, 2, 4, 8, 16)] == [
+    assert [_packing.digits_per_word(n, 1) for n in (1, 2, 4, 8, 16)] == [
         20,
         13,
         10,
@@ -668,7 +669,7 @@ def test_packed_psum_digits_per_word_and_extremes():
         for fill in (-1, 1):  # every digit at its extreme: no carry, no borrow
             codes = jnp.full((num_devices, 29), fill, jnp.int8)
             sums = jax.vmap(
-                lambda c, n=num_devices: _device_mean.packed_psum([c], "i", n)[0],
+                lambda c, n=num_devices: _packing.packed_sum([c], "i", n, 1)[0],
                 axis_name="i",
             )(codes)
             np.testing.assert_array_equal(sums, fill * num_devices)

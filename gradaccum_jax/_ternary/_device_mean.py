@@ -3,13 +3,10 @@ ternary codec (`gradaccum_jax.codecs.ternary`) with TernGrad's rounding."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
 import optax
 
 from gradaccum_jax import _checks
-from gradaccum_jax._codecs import _mean, _packing
+from gradaccum_jax._codecs import _mean
 from gradaccum_jax._codecs._protocol import CodecState
 from gradaccum_jax._codecs._ternary import ternary_codec
 from gradaccum_jax._ternary._error_feedback import TernaryState
@@ -21,22 +18,6 @@ from gradaccum_jax._ternary._leaves import (
 )
 
 _CALLER = "ternary_average_across_devices"
-
-
-def _digits_per_word(num_devices: int) -> int:
-    """How many base-(2n + 1) digits a uint32 word holds."""
-    return _packing.digits_per_word(num_devices, 1)
-
-
-def packed_psum(codes: list[jax.Array], axis: Any, num_devices: int) -> list[jax.Array]:
-    """Sums each array of int8 ternary codes over ``axis``: its int32 sums
-    (`gradaccum_jax._codecs._packing.packed_sum` with one level)."""
-    return _packing.packed_sum(codes, axis, num_devices, 1)
-
-
-def pack_codes(codes: jax.Array, num_devices: int) -> jax.Array:
-    """Int8 ternary codes as base-(2n + 1) digits, packed in uint32 words."""
-    return _packing.pack(codes, num_devices, 1)
 
 
 def ternary_average_across_devices(
