@@ -19,3 +19,24 @@ for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The longest tests, each a fresh kernel or process that trains a model or
+# builds the site, run first. The two workers split the collected order in
+# halves and steal from each other's queue when theirs runs dry; a
+# minute-long notebook left near the end would keep one worker busy while
+# the other idles. Started first, the short tests fill in around them.
+_LONGEST_FIRST = (
+    "test_transformer_lm.py::test_the_notebook_shows_what_the_example_claims",
+    "test_notebooks.py::test_notebook_runs",
+    "test_readme.py::test_docs_page_python_blocks_run_top_to_bottom",
+    "test_readme.py::test_readme_python_blocks_run_top_to_bottom",
+    "test_multiprocess.py::",
+    "test_docs.py::",
+    "test_types.py::",
+)
+
+
+def pytest_collection_modifyitems(items):
+    # A stable sort: everything else keeps its order (module fixtures stay
+    # shared within their module).
+    items.sort(key=lambda item: not any(key in item.nodeid for key in _LONGEST_FIRST))

@@ -237,9 +237,17 @@ WINDOWS = {
 }
 
 
-@pytest.mark.parametrize("build", WINDOWS.values(), ids=WINDOWS.keys())
-def test_flush_emits_the_partial_window_and_stats_reduce_its_weight(any_mesh, build):
-    opt = build()
+# Pairwise: each window on one axis type. The window's storage and the
+# placement of its terms on the mesh are separate parts; both windows run on
+# both axis types in the other tests of this file.
+@pytest.mark.parametrize(
+    ("any_mesh", "window"),
+    [(AxisType.Explicit, "per-device-ternary"), (AxisType.Auto, "float32")],
+    ids=["explicit-per-device-ternary", "auto-float32"],
+    indirect=["any_mesh"],
+)
+def test_flush_emits_the_partial_window_and_stats_reduce_its_weight(any_mesh, window):
+    opt = WINDOWS[window]()
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
     step = jax.jit(_weighted_step(opt))
@@ -515,7 +523,14 @@ def test_tracked_noise_scale_adds_four_scalars_to_the_one_fused_all_reduce(any_m
     assert _holds_terms(state.statistics["noise_scale"].micro_batches, any_mesh, ())
 
 
-@pytest.mark.parametrize("make", ["MultiSteps", "accumulate"])
+# Pairwise: MultiSteps and accumulate are built by the same `configure`
+# into the same engine, so each meets one axis type.
+@pytest.mark.parametrize(
+    ("any_mesh", "make"),
+    [(AxisType.Explicit, "MultiSteps"), (AxisType.Auto, "accumulate")],
+    ids=["explicit-MultiSteps", "auto-accumulate"],
+    indirect=["any_mesh"],
+)
 def test_noise_scale_of_device_micro_batches_equals_one_device_fed_them_apart(
     any_mesh, make
 ):
