@@ -18,6 +18,8 @@ and how that grows, into ``benchmarks/plots/``:
 - ``low_communication.png`` (and its figures, ``low_communication.json``):
   validation loss against examples seen and against bytes all-reduced,
   data parallel (float32, ternary) and DiLoCo;
+- ``low_communication_loss_bytes.png``: every method's final loss against
+  its bytes, a panel per task whose figures are in the plot directory;
 - ``scale.png`` (and its figures, ``scale.json``): compiled temporaries and
   collective bytes per window of every training path on 64 and 256
   emulated devices (``--quick``: the reference configuration only).
@@ -120,6 +122,11 @@ def draw(results: dict[str, dict], out: Path, where: str) -> list[Path]:
     figures_path = out / "low_communication.json"
     out.mkdir(parents=True, exist_ok=True)
     figures_path.write_text(json.dumps(low_communication, indent=1) + "\n")
+    # Loss against bytes: this run's digits task, and a panel per other task
+    # whose figures `bench_low_communication.py --task ...` wrote into `out`.
+    other_tasks = sorted(out.glob("low_communication_*.json"))
+    records = [low_communication, *(json.loads(p.read_text()) for p in other_tasks)]
+    records = [record for record in records if "DP float32" in record["curves"]]
     scale = results["bench_scale.py"]["data"]["results"]
     scale_path = out / "scale.json"
     scale_path.write_text(json.dumps(scale, indent=1) + "\n")
@@ -145,6 +152,9 @@ def draw(results: dict[str, dict], out: Path, where: str) -> list[Path]:
             low_communication, out / "low_communication.png", where
         ),
         figures_path,
+        _plots.loss_against_bytes(
+            records, out / "low_communication_loss_bytes.png", where
+        ),
         _plots.scale(scale, out / "scale.png", where),
         scale_path,
     ]
