@@ -345,7 +345,7 @@ PADDED_MESHES = {
     [
         *((name, "float") for name in PADDED_MESHES),
         # (A ternary window reduction of tensor-parallel leaves on an
-        # Explicit 2-D mesh does not trace yet: its sums come out whole.)
+        # Explicit 2-D mesh: tests/test_ternary_sharded.py.)
         ("1d-explicit", "ternary"),
         ("2d-tp-auto", "ternary"),
     ],
