@@ -200,6 +200,37 @@ def test_topk_at_full_density_and_32_bits_is_the_float32_mean():
     chex.assert_trees_all_equal(means, exact)
 
 
+def test_powersgd_warmup_sends_float32_means_then_factors():
+    """The first ``warmup`` calls return the float32 mean, keep no residual
+    and leave Q as it was; the next call sends rank-2 factors. Both sit in
+    the branches of one cond (the float32 all-reduce and the factors')."""
+    tx = ga.compressed_average_across_devices("i", codecs.powersgd(2, warmup=2))
+    state = _replicate(tx.init(_params()))
+    initial_q = state.codec
+    step = jax.pmap(tx.update, axis_name="i")
+    exact = jax.pmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")
+    for seed in range(2):
+        grads = _grads(seed)
+        means, state = step(grads, state)
+        chex.assert_trees_all_equal(means, exact(grads))
+        assert all(np.all(state.residual[k] == 0) for k in ("w", "s"))
+        chex.assert_trees_all_equal(state.codec, initial_q)
+    means, state = step(_grads(2), state)
+    assert np.linalg.matrix_rank(np.asarray(means["w"][0]), tol=1e-5) == 2
+    assert np.abs(state.residual["w"]).max() > 0.1
+    # XLA groups the buffers into all-reduces as it likes: compare buffers.
+    branches = [
+        shape
+        for c in ga.measure.collectives(step.lower(_grads(3), state).compile())
+        if c.place == "branch"
+        for shape in c.shapes
+    ]
+    assert sorted(branches) == sorted(
+        ["f32[64,128]", "f32[3,32,48]"]  # the float32 sums
+        + ["f32[1,64,2]", "f32[3,32,2]", "f32[1,128,2]", "f32[3,48,2]"]  # P, Q
+    ), branches
+
+
 def test_ternary_average_across_devices_is_the_ternary_codec():
     """The ternary mean is built on the protocol: the codec with TernGrad's
     rounding draws the same codes from the same seed."""
@@ -356,6 +387,13 @@ WINDOW_CASES = {
         REPLICATED,
         jnp.float32,
         codecs.ternary(),
+    ),
+    "2d-explicit-tp-f32-powersgd-warmup": (
+        ((4, 2), ("data", "model")),
+        AxisType.Explicit,
+        TP,
+        jnp.float32,
+        codecs.powersgd(4, warmup=1),
     ),
 }
 
@@ -563,6 +601,34 @@ def test_a_tensor_parallel_leaf_is_coded_where_it_lies_in_a_shard_map(codec):
     assert data_bytes["tp"] <= 0.52 * data_bytes["replicated"], data_bytes
     if codec.name.startswith("quantized"):
         np.testing.assert_array_equal(results["tp"], results["replicated"])
+
+
+def test_powersgd_warmup_on_a_tensor_parallel_leaf_is_the_float32_mean():
+    """A warm-up call sums each device's block where it lies; a NaN in one
+    block makes the whole leaf NaN, on the blocks of the other `model`
+    device too (the leaf's finiteness is agreed on over `model`)."""
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
+    grads = np.random.default_rng(3).standard_normal((4, 32, 64)).astype(np.float32)
+    tx = ga.compressed_average_across_devices("data", codecs.powersgd(2, warmup=1))
+
+    def mean(grads):
+        grads = {"w": grads[0]}
+        return tx.update(grads, tx.init(grads))[0]["w"][None]
+
+    step = jax.jit(
+        jax.shard_map(
+            mean, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+        )
+    )
+    spec = P("data", None, "model")
+    expected = grads.mean(0)
+    with jax.set_mesh(mesh):
+        result = step(jax.device_put(grads, spec))
+        grads[1, 0, 0] = np.nan  # in the first `model` block only
+        poisoned = step(jax.device_put(grads, spec))
+    assert _spec(result) == _spec(spec)
+    np.testing.assert_allclose(np.asarray(result)[0], expected, rtol=1e-6, atol=1e-6)
+    assert np.all(np.isnan(np.asarray(poisoned))), np.isnan(poisoned).mean()
 
 
 def test_diloco_sends_its_outer_gradients_through_a_codec():

@@ -350,6 +350,12 @@ TABLE: list[Row] = [
     ),
     Row("codecs.topk", "bits", (1, 3, 16, 64, 2.0, "2", True, None), r"one of \(2, 4"),
     Row("codecs.powersgd", "rank", BAD_COUNTS, INTEGER_GE_1),
+    Row(
+        "codecs.powersgd",
+        "warmup",
+        (-1, 2.5, "5", None, True, 2**32),
+        INTEGER_GE_0,
+    ),
 ]
 
 
