@@ -17,13 +17,36 @@ ones (Student t, 3 degrees of freedom); 20,000 blocks each, seed 0. Both
 formats take the same bytes on the wire (4 codes per uint32 word with 8
 devices), so the smaller error decides.
 
-Run: ``python benchmarks/bench_codecs.py [bytes|formats]`` (both by default)
+``steps``: what a DiLoCo call that does not sync costs with each codec
+(`diloco`, H=32, ``outer_reduction=compressed_average_across_devices(...)``,
+or the float32 mean), against a local step: the inner optimizer alone (sgd),
+no DiLoCo. Each is a whole jitted train step (the gradient of each worker's
+own 4 examples, the update, the params stepped; params and state donated)
+of a 4,740,106-parameter MLP (bench_network.py's timing model) on 8 emulated
+CPU devices, one worker each, each call waited for (one step in flight). The
+cycle step is set before each call: 0 (a call that does not sync) or 31 (the
+sync). Every round calls each step once (the calls that do not sync
+``--off-sync`` times), in an order turned each round, so that the load of
+other programs falls on all alike; the medians over ``--rounds`` rounds are
+reported, wall time and the process's CPU time (less sensitive to other
+programs on a shared machine), as ratios to the local step's. Two layouts:
+``shard_map`` (each device's params and state inside ``jax.shard_map``, as
+in pmap / shard_map chains and bench_network.py) and ``stacked`` (the workers
+stacked under ``jax.jit``: `stack_workers`, `worker_value_and_grad`).
+
+Run: ``python benchmarks/bench_codecs.py [bytes|formats|steps]`` (all by
+default; ``steps`` takes minutes: ``--layouts``, ``--rounds``,
+``--off-sync``)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import statistics
+import time
+from typing import Any
 
 import numpy as np
 
@@ -31,12 +54,16 @@ DEVICES = 8
 SIDE = 1024
 
 
+def _emulate_devices() -> None:
+    """DEVICES CPU devices (read once, before JAX's first computation)."""
+    flag = f"--xla_force_host_platform_device_count={DEVICES}"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + flag
+
+
 def wire_bytes() -> dict[str, float]:
     """Received bytes per device of one mean, by codec."""
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + f" --xla_force_host_platform_device_count={DEVICES}"
-    )
+    _emulate_devices()
     import jax
     import jax.numpy as jnp
 
@@ -115,10 +142,220 @@ def format_errors() -> dict[str, dict[str, float]]:
     return errors
 
 
+# ``steps``: DiLoCo's workers run a 256 -> 2048 -> 2048 -> 10 MLP (4,740,106
+# float32 params, bench_network.py's timing model) on 4 examples each, with
+# sgd inside; a sync every SYNC_EVERY calls.
+STEP_LAYERS = (256, 2048, 2048, 10)
+STEP_BATCH = 4
+SYNC_EVERY = 32
+LEARNING_RATE = 1e-3
+LAYOUTS = ("shard_map", "stacked")
+
+
+def step_codecs() -> dict[str, Any]:
+    """The outer reductions timed by ``steps``: None is the float32 mean."""
+    from gradaccum_jax import codecs
+
+    return {
+        "float32": None,
+        "ternary": codecs.ternary(),
+        "quantized(bits=8)": codecs.quantized(bits=8),
+        "quantized(bits=4)": codecs.quantized(bits=4),
+        "topk(0.01)": codecs.topk(0.01),
+        "topk(0.03, bits=4)": codecs.topk(0.03, bits=4),
+        "powersgd(4)": codecs.powersgd(4),
+    }
+
+
+def _mlp_loss(params, x, y):
+    import jax
+    import optax
+
+    layers = len(params) // 2
+    for i in range(layers):
+        x = x @ params[f"w{i}"] + params[f"b{i}"]
+        if i < layers - 1:
+            x = jax.nn.relu(x)
+    return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+
+
+def _mlp_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    params = {}
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(STEP_LAYERS)):
+        w = rng.normal(size=(fan_in, fan_out)) / np.sqrt(fan_in)
+        params[f"w{i}"] = w.astype(np.float32)
+        params[f"b{i}"] = np.zeros(fan_out, np.float32)
+    return params
+
+
+def train_step(tx, layout: str, mesh):
+    """A jitted, donated train step of every worker: the gradient of its own
+    examples, ``tx``'s update, the params stepped; and its initial state.
+
+    ``shard_map``: each device's params and state are its block of a
+    leading device axis, and ``tx`` runs inside ``jax.shard_map`` (the
+    pmap / shard_map path, as ``bench_network.py``). ``stacked``: the
+    workers stacked under ``jax.jit`` (`stack_workers`,
+    `worker_value_and_grad`; an Explicit mesh axis).
+    """
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import gradaccum_jax as ga
+
+    host = _mlp_params()
+    if layout == "stacked":
+        with jax.set_mesh(mesh):
+            params = ga.stack_workers(host, "i")
+            state = ga.stack_workers(jax.jit(tx.init)(host), "i")
+        worker_grad = ga.worker_value_and_grad(_mlp_loss, "i")
+
+        def stacked_step(params, state, x, y):
+            _, grads = worker_grad(params, x, y)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        return jax.jit(stacked_step, donate_argnums=(0, 1)), params, state
+
+    def local(tree):
+        return jax.tree.map(lambda leaf: leaf[0], tree)
+
+    def stacked(tree):
+        return jax.tree.map(lambda leaf: leaf[None], tree)
+
+    def device_step(params, state, x, y):
+        params = local(params)
+        grads = jax.grad(_mlp_loss)(params, x, y)
+        updates, state = tx.update(grads, local(state), params)
+        return stacked(optax.apply_updates(params, updates)), stacked(state)
+
+    def mapped(fn, in_specs, out_specs):
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+
+    split = jax.sharding.NamedSharding(mesh, P("i"))
+    params = jax.device_put(
+        jax.tree.map(lambda p: np.broadcast_to(p, (DEVICES, *p.shape)), host), split
+    )
+    state = jax.jit(mapped(lambda p: stacked(tx.init(local(p))), P("i"), P("i")))(
+        params
+    )
+    step = mapped(device_step, (P("i"),) * 4, (P("i"), P("i")))
+    return jax.jit(step, donate_argnums=(0, 1)), params, state
+
+
+def step_times(layout: str, rounds: int, off_sync: int) -> dict[str, dict]:
+    """Median ms (wall and CPU) of a local step, and per codec of a DiLoCo
+    call that does not sync and of one that does (see the docstring)."""
+    _emulate_devices()
+    import jax
+    import optax
+    from jax.sharding import AxisType
+
+    import gradaccum_jax as ga
+
+    axis_type = AxisType.Explicit if layout == "stacked" else AxisType.Auto
+    mesh = jax.make_mesh((DEVICES,), ("i",), axis_types=(axis_type,))
+    rng = np.random.default_rng(1)
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
+    x = rng.normal(size=(DEVICES * STEP_BATCH, STEP_LAYERS[0])).astype(np.float32)
+    y = rng.integers(0, STEP_LAYERS[-1], DEVICES * STEP_BATCH).astype(np.int32)
+    batch = jax.device_put((x, y), split)
+
+    transformations = {"local": optax.sgd(LEARNING_RATE)}
+    for name, codec in step_codecs().items():
+        transformations[name] = ga.diloco(
+            optax.sgd(LEARNING_RATE),
+            SYNC_EVERY,
+            axis_name="i",
+            outer_reduction=None
+            if codec is None
+            else ga.compressed_average_across_devices("i", codec),
+        )
+    runs = {name: train_step(tx, layout, mesh) for name, tx in transformations.items()}
+    carries = {name: (params, state) for name, (_, params, state) in runs.items()}
+
+    def call(name: str, sync: bool) -> tuple[float, float]:
+        params, state = carries[name]
+        if name != "local":
+            # The cycle's last step syncs (one fragment); its first does not.
+            cycle_step = jax.device_put(
+                np.full(DEVICES, SYNC_EVERY - 1 if sync else 0, np.int32),
+                state.cycle_step.sharding,
+            )
+            state = state._replace(cycle_step=cycle_step)
+        with jax.set_mesh(mesh):
+            wall, cpu = time.perf_counter(), time.process_time()
+            carries[name] = jax.block_until_ready(runs[name][0](params, state, *batch))
+            return time.perf_counter() - wall, time.process_time() - cpu
+
+    calls = [(name, False) for name in transformations] * off_sync
+    calls += [(name, True) for name in step_codecs()]
+    times: dict[tuple[str, bool], list[tuple[float, float]]] = {
+        key: [] for key in calls
+    }
+    for repeat in range(rounds + 1):  # the first compiles and warms up
+        # Every call once a round (the calls that do not sync `off_sync`
+        # times), the order turned each round: a change in the load of
+        # the machine falls on every kind of call alike.
+        shift = repeat * len(calls) // (rounds + 1)
+        for key in calls[shift:] + calls[:shift]:
+            elapsed = call(*key)
+            if repeat:
+                times[key].append(elapsed)
+
+    def median_ms(key: tuple[str, bool], which: int) -> float:
+        return 1e3 * statistics.median(t[which] for t in times[key])
+
+    table = {}
+    for name in transformations:
+        table[name] = {
+            "off-sync": median_ms((name, False), 0),
+            "off-sync cpu": median_ms((name, False), 1),
+        }
+        if name != "local":
+            table[name]["sync"] = median_ms((name, True), 0)
+    return table
+
+
+def steps_table(table: dict[str, dict]) -> str:
+    """`step_times`' medians and their ratios to the local step, markdown."""
+    local = table["local"]
+    lines = [
+        "| outer reduction | call that does not sync (ms) | / local step "
+        "| CPU time / local step's | call that syncs (ms) |",
+        "|---|---:|---:|---:|---:|",
+        f"| local step (sgd alone) | {local['off-sync']:.1f} | 1 | 1 | |",
+    ]
+    for name, row in table.items():
+        if name == "local":
+            continue
+        lines.append(
+            f"| {name} | {row['off-sync']:.1f} "
+            f"| {row['off-sync'] / local['off-sync']:.3f} "
+            f"| {row['off-sync cpu'] / local['off-sync cpu']:.3f} "
+            f"| {row['sync']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "part", nargs="?", choices=("bytes", "formats", "all"), default="all"
+        "part",
+        nargs="?",
+        choices=("bytes", "formats", "steps", "all"),
+        default="all",
+    )
+    parser.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help="steps: of " + ",".join(LAYOUTS)
+    )
+    parser.add_argument("--rounds", type=int, default=8, help="steps: timed rounds")
+    parser.add_argument(
+        "--off-sync", type=int, default=3, help="steps: calls without sync a round"
     )
     args = parser.parse_args()
     if args.part in ("formats", "all"):
@@ -132,6 +369,17 @@ def main() -> None:
         print(f"bytes each of {DEVICES} devices receives per mean (4.2M params):")
         for name, total in received.items():
             print(f"  {name:20s} {total:12.0f}  1/{reference / total:.1f}")
+    if args.part in ("steps", "all"):
+        for layout in args.layouts.split(","):
+            if layout not in LAYOUTS:
+                parser.error(f"--layouts: {layout!r} is not one of {LAYOUTS}")
+            table = step_times(layout, args.rounds, args.off_sync)
+            load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+            print(
+                f"\n{layout}: DiLoCo H={SYNC_EVERY}, sgd inside, {DEVICES} workers, "
+                f"medians of {args.rounds} rounds (load average after: {load}):"
+            )
+            print(steps_table(table))
 
 
 if __name__ == "__main__":

@@ -902,6 +902,57 @@ def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec):
     assert temp <= plain_temp + 1.5 * f32_share, (temp, plain_temp, f32_share)
 
 
+@functools.cache
+def _tp_mesh():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+@functools.cache
+def _per_call_arrays(codec):
+    """The arrays of at least 1,024 elements (dtype, elements) that the
+    compiled step of `_codec_diloco_step` on `_tp_mesh` makes outside the
+    sync's loop (``None``: the float32 outer mean), the loop's results
+    left out; the step's collectives that run there; whether it sorts
+    there."""
+    reduction = (
+        None if codec is None else ga.compressed_average_across_devices("data", codec)
+    )
+    compiled, _ = _codec_diloco_step(reduction, _tp_mesh())
+    arrays = sorted(
+        (line.split("= ", 1)[1].split("[", 1)[0], size)
+        for line, size in entry_arrays(compiled, r"\w+")
+        if size >= 1024 and "get-tuple-element(" not in line
+    )
+    every_call = [
+        (c.kind, c.axes)
+        for c in ga.measure.collectives(compiled, _tp_mesh())
+        if c.place == "entry"
+    ]
+    entry = compiled.as_text().split("\nENTRY ", 1)[1].split("\n}\n", 1)[0]
+    return arrays, every_call, " sort(" in entry or "TopK" in entry
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [ga.codecs.quantized(bits=4), ga.codecs.topk(0.01), ga.codecs.powersgd(2)],
+    ids=str,
+)
+def test_a_call_that_does_not_sync_makes_what_float32_diloco_makes(codec):
+    """A codec's work runs in the sync's loop only: outside it (on every
+    call, synced or not) a diloco step with a codec's outer_reduction
+    makes the same arrays as with the float32 mean, and no collective and
+    no sort run there, on stacked workers with tensor-parallel leaves
+    (Auto axes inside the map). Two escaped before: the element indices
+    of the random bits of a leaf's blocks (uint32 arrays the size of each
+    coded leaf, hoisted out of the loop) and PowerSGD's Q, laid out split
+    over `model` by the loop and all-gathered after it."""
+    arrays, every_call, sorts = _per_call_arrays(codec)
+    plain_arrays, plain_every_call, _ = _per_call_arrays(None)
+    assert arrays == plain_arrays
+    assert every_call == plain_every_call == []
+    assert not sorts
+
+
 def test_worker_rows_keep_their_split_over_an_inner_data_axis():
     """Workers over `dcn` (2), each 4 devices of data parallelism: a batch
     split over ("dcn", "data") stays split over `data` within a worker (no

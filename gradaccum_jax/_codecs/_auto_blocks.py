@@ -157,6 +157,13 @@ def sum_on_auto_blocks(
         # A codec may find a block not finite without a collective over the
         # blocks: the leaf is finite where all its blocks are.
         finite=[jnp.all(f) for f in result.finite],
+        # The same on every block (the map returns it unmapped), and kept so:
+        # left to the compiler, a state the sync's loop carries (PowerSGD's
+        # Q in `diloco`) may be laid out split over the blocks' axes and
+        # gathered after the loop, on every call, whether it ran or not.
+        state=jax.tree.map(
+            lambda leaf: jax.lax.with_sharding_constraint(leaf, P()), result.state
+        ),
     )
 
 

@@ -164,14 +164,15 @@ def element_index(
     reshape cannot keep a partitioned dimension, and each device then builds
     only its own block of indices (XLA fuses the sum into its consumer).
 
-    The strides are made to depend on ``tie`` (the stream's key words).
-    Computed from the shape alone, the indices depend on nothing a loop
-    carries, and XLA hoists them out of the loop that draws the bits (a
-    window's emission, DiLoCo's sync, each of which runs on some calls
-    only): a uint32 array the size of the leaf, then written on every call,
-    whether the loop runs or not (a ternary window took 1.37x longer at
-    4.2M params). Tied to the key, they are computed in the loop, fused
-    into the rounding.
+    The strides and a block's offsets are made to depend on ``tie`` (the
+    stream's key words). Computed from the shape and the device alone, the
+    indices depend on nothing a loop carries, and XLA hoists them out of
+    the loop that draws the bits (a window's emission, DiLoCo's sync, each
+    of which runs on some calls only): a uint32 array the size of the leaf,
+    then written on every call, whether the loop runs or not (a ternary
+    window took 1.37x longer at 4.2M params; the offsets of the blocks of a
+    tensor-parallel leaf, untied, did the same). Tied to the key, they are
+    computed in the loop, fused into the rounding.
 
     A block of a leaf split as ``split`` numbers its elements from its
     offsets in the whole leaf, with the whole leaf's strides.
@@ -192,7 +193,7 @@ def element_index(
             iota = jax.lax.broadcasted_iota(
                 jnp.uint32, shape, dim, out_sharding=sharding
             )
-            terms.append((iota + offsets[dim]) * (jnp.uint32(stride) + zero))
+            terms.append((iota + (offsets[dim] + zero)) * (jnp.uint32(stride) + zero))
         stride *= whole[dim]
     return functools.reduce(jnp.add, terms)
 
