@@ -17,6 +17,13 @@ is kept and nothing is gathered. Inside, ``jax.lax.axis_index(axis)``,
 ``psum`` and the other collectives over the axis are vmap's, with the
 values they have under ``shard_map``; values are not typed as varying
 (no ``pcast``: the axis is not manual).
+
+Where the mesh has no other axis (every other axis of size 1: plain data
+parallelism) there is nothing to gather, and the ``shard_map`` runs
+instead: it traces the function on one device's blocks, so its backward
+dots are plain matrix products. Under the vmap they are batched, and
+XLA:CPU writes each weight gradient transposed and copies it back: the
+gradients of a 4.2M-parameter MLP took 3x longer.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ def over_axis(
     (None) goes to every device whole. Results mapped out (``out_axes``
     0) come out stacked the same way, row ``d`` device ``d``'s.
     """
+    if _only_axis(axis):
+        return _manual_over(fn, axis, in_axes, out_axes)
     mapped = jax.vmap(
         fn, in_axes=in_axes, out_axes=out_axes, axis_name=axis, spmd_axis_name=axis
     )
@@ -55,6 +64,68 @@ def over_axis(
             jax.tree.broadcast(out_axes, out, is_leaf=lambda x: x is None),
             is_leaf=lambda x: x is None,
         )
+
+    return run
+
+
+def _only_axis(axis: str) -> bool:
+    """Whether ``axis`` is the current mesh's one axis of more than one
+    device: a ``shard_map`` manual over it leaves nothing to gather."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return all(size == 1 for name, size in mesh.shape.items() if name != axis)
+
+
+def _manual_over(
+    fn: Callable[..., Any], axis: str, in_axes: Any, out_axes: Any
+) -> Callable[..., Any]:
+    """`over_axis` as a ``shard_map`` manual over ``axis``: ``fn`` traced on
+    one device's blocks (a mapped argument's row, an unmapped one whole).
+
+    Every value is typed as varying over ``axis``, as each vmapped instance
+    has its own: an unmapped argument on the way in (else the gradient of
+    one inside ``fn`` would be summed over the devices, the all-reduce a
+    per-device term exists to avoid), a result on the way out.
+    """
+    varying = frozenset({axis})
+
+    def specs(axes: Any, tree: Any) -> Any:
+        axes = jax.tree.broadcast(axes, tree, is_leaf=lambda x: x is None)
+        return jax.tree.map(
+            lambda _, dim: P() if dim is None else P(axis),
+            tree,
+            axes,
+            is_leaf=lambda x: x is None,
+        )
+
+    def run(*args):
+        in_specs = specs(tuple(in_axes), args)
+        out_specs = specs(
+            out_axes,
+            jax.eval_shape(
+                jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, axis_name=axis),
+                *args,
+            ),
+        )
+
+        def on_device(*blocks):
+            blocks = jax.tree.map(
+                lambda block, spec: (
+                    _tree.vary_over(block, varying) if spec == P() else block[0]
+                ),
+                blocks,
+                in_specs,
+            )
+            return jax.tree.map(
+                lambda leaf, spec: (
+                    leaf if spec == P() else _tree.vary_over(leaf, varying)[None]
+                ),
+                fn(*blocks),
+                out_specs,
+            )
+
+        return jax.shard_map(
+            on_device, in_specs=in_specs, out_specs=out_specs, axis_names={axis}
+        )(*args)
 
     return run
 
