@@ -560,6 +560,21 @@ def test_topk_sends_the_largest_entries_of_each_chunk_in_two_bits():
         np.testing.assert_allclose(values[top], expected, rtol=1e-6)
 
 
+def _row_mean_step(tx):
+    """``tx``'s mean of the `data` devices' rows, a ``shard_map`` manual over
+    `data` alone (the other axes' splits kept), jitted."""
+
+    def mean(grads):
+        grads = {"w": grads[0]}
+        return tx.update(grads, tx.init(grads))[0]["w"][None]
+
+    return jax.jit(
+        jax.shard_map(
+            mean, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+        )
+    )
+
+
 @pytest.mark.parametrize(
     "codec",
     [codecs.quantized(bits=4), codecs.topk(0.1)],
@@ -575,15 +590,7 @@ def test_a_tensor_parallel_leaf_is_coded_where_it_lies_in_a_shard_map(codec):
     grads = np.random.default_rng(9).standard_normal((4, 32, 64)).astype(np.float32)
     tx = ga.compressed_average_across_devices("data", codec)
 
-    def mean(grads):
-        grads = {"w": grads[0]}
-        return tx.update(grads, tx.init(grads))[0]["w"][None]
-
-    step = jax.jit(
-        jax.shard_map(
-            mean, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
-        )
-    )
+    step = _row_mean_step(tx)
     results, data_bytes = {}, {}
     with jax.set_mesh(mesh):
         for name, spec in {
@@ -611,15 +618,7 @@ def test_powersgd_warmup_on_a_tensor_parallel_leaf_is_the_float32_mean():
     grads = np.random.default_rng(3).standard_normal((4, 32, 64)).astype(np.float32)
     tx = ga.compressed_average_across_devices("data", codecs.powersgd(2, warmup=1))
 
-    def mean(grads):
-        grads = {"w": grads[0]}
-        return tx.update(grads, tx.init(grads))[0]["w"][None]
-
-    step = jax.jit(
-        jax.shard_map(
-            mean, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
-        )
-    )
+    step = _row_mean_step(tx)
     spec = P("data", None, "model")
     expected = grads.mean(0)
     with jax.set_mesh(mesh):
