@@ -4,7 +4,10 @@ XLA reads XLA_FLAGS once, when the backend starts, so the flag must be set
 before anything imports jax.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # 8 devices for the data-parallel tests. LLVM's optimization level 0: the
 # tests run thousands of small programs, each compiled once, so compile time
@@ -19,6 +22,21 @@ for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent compilation cache for the run, shared by the two workers
+# and every process they start (notebook kernels, doc pages, multi-process
+# runs): those each compile the same small programs again (initializers,
+# key splits, a model's step in two notebooks), and read them back instead
+# (a quarter off the notebooks and doc pages). A fresh directory per run,
+# made by the first process (the xdist controller, whose environment the
+# workers inherit) and removed when it exits. The cache is keyed by the
+# whole program, the flags and the jax version: a hit is the same program.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="gradaccum-jax-tests-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 # The longest tests, each a fresh kernel or process that trains a model or
 # builds the site, run first. The two workers split the collected order in
