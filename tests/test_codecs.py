@@ -388,11 +388,11 @@ WINDOW_CASES = {
         jnp.float32,
         codecs.ternary(),
     ),
-    "2d-explicit-tp-f32-powersgd-warmup": (
+    "2d-explicit-tp-bf16-powersgd-warmup": (
         ((4, 2), ("data", "model")),
         AxisType.Explicit,
         TP,
-        jnp.float32,
+        jnp.bfloat16,
         codecs.powersgd(4, warmup=1),
     ),
 }

@@ -858,9 +858,15 @@ def _codec_diloco_step(reduction, mesh):
     with jax.set_mesh(mesh):
         one = {k: abstract(shapes[k], specs[k]) for k in specs}
         state = jax.eval_shape(opt.init, one)
+        # On Auto axes `init`'s results carry no split: lay out each leaf
+        # shaped like a param (anchor, moments, residual) like that param,
+        # as a step's outputs would be.
+        like_param = {shapes[k]: specs[k] for k in specs}
         state = jax.tree.map(
             lambda s: abstract(
-                s.shape, s.sharding.spec if s.sharding else P(), s.dtype
+                s.shape,
+                s.sharding.spec if s.sharding else like_param.get(s.shape, P()),
+                s.dtype,
             ),
             state,
         )
@@ -903,21 +909,22 @@ def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec):
 
 
 @functools.cache
-def _tp_mesh():
-    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+def _tp_mesh(axis_type=AxisType.Explicit):
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
 
 
 @functools.cache
-def _per_call_arrays(codec):
+def _per_call_arrays(codec, axis_type):
     """The arrays of at least 1,024 elements (dtype, elements) that the
-    compiled step of `_codec_diloco_step` on `_tp_mesh` makes outside the
-    sync's loop (``None``: the float32 outer mean), the loop's results
-    left out; the step's collectives that run there; whether it sorts
-    there."""
+    compiled step of `_codec_diloco_step` on `_tp_mesh(axis_type)` makes
+    outside the sync's loop (``None``: the float32 outer mean), the loop's
+    results left out; the step's collectives that run there; whether it
+    sorts there."""
     reduction = (
         None if codec is None else ga.compressed_average_across_devices("data", codec)
     )
-    compiled, _ = _codec_diloco_step(reduction, _tp_mesh())
+    mesh = _tp_mesh(axis_type)
+    compiled, _ = _codec_diloco_step(reduction, mesh)
     arrays = sorted(
         (line.split("= ", 1)[1].split("[", 1)[0], size)
         for line, size in entry_arrays(compiled, r"\w+")
@@ -925,29 +932,57 @@ def _per_call_arrays(codec):
     )
     every_call = [
         (c.kind, c.axes)
-        for c in ga.measure.collectives(compiled, _tp_mesh())
+        for c in ga.measure.collectives(compiled, mesh)
         if c.place == "entry"
     ]
     entry = compiled.as_text().split("\nENTRY ", 1)[1].split("\n}\n", 1)[0]
     return arrays, every_call, " sort(" in entry or "TopK" in entry
 
 
+# Every codec on Explicit axes; on Auto ones (where the codecs see whole
+# leaves and the compiler lays them out) those whose codes are not packed.
+# Packed codes there are the open case: XLA splits the padded planes of
+# the packing over `model` and hoists each device's padding mask (an iota
+# compared with the partition id, a pred the size of a leaf's block) out
+# of the loop, where it is made on every call.
 @pytest.mark.parametrize(
-    "codec",
-    [ga.codecs.quantized(bits=4), ga.codecs.topk(0.01), ga.codecs.powersgd(2)],
-    ids=str,
+    ("codec", "axis_type"),
+    [
+        (ga.codecs.quantized(bits=4), AxisType.Explicit),
+        (ga.codecs.topk(0.01), AxisType.Explicit),
+        (ga.codecs.powersgd(2), AxisType.Explicit),
+        (ga.codecs.topk(0.01), AxisType.Auto),
+        (ga.codecs.powersgd(2), AxisType.Auto),
+        pytest.param(
+            ga.codecs.quantized(bits=4),
+            AxisType.Auto,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="on Auto axes the packing's padding mask is hoisted "
+                "out of the sync's loop",
+            ),
+        ),
+    ],
+    ids=[
+        "e2m1-explicit",
+        "topk-explicit",
+        "powersgd-explicit",
+        "topk-auto",
+        "powersgd-auto",
+        "e2m1-auto",
+    ],
 )
-def test_a_call_that_does_not_sync_makes_what_float32_diloco_makes(codec):
+def test_a_call_that_does_not_sync_makes_what_float32_diloco_makes(codec, axis_type):
     """A codec's work runs in the sync's loop only: outside it (on every
     call, synced or not) a diloco step with a codec's outer_reduction
     makes the same arrays as with the float32 mean, and no collective and
     no sort run there, on stacked workers with tensor-parallel leaves
-    (Auto axes inside the map). Two escaped before: the element indices
-    of the random bits of a leaf's blocks (uint32 arrays the size of each
-    coded leaf, hoisted out of the loop) and PowerSGD's Q, laid out split
-    over `model` by the loop and all-gathered after it."""
-    arrays, every_call, sorts = _per_call_arrays(codec)
-    plain_arrays, plain_every_call, _ = _per_call_arrays(None)
+    (Auto axes inside the map, or an Auto mesh). Two escaped before: the
+    element indices of the random bits of a leaf's blocks (uint32 arrays
+    the size of each coded leaf, hoisted out of the loop) and PowerSGD's
+    Q, laid out split over `model` by the loop and all-gathered after it."""
+    arrays, every_call, sorts = _per_call_arrays(codec, axis_type)
+    plain_arrays, plain_every_call, _ = _per_call_arrays(None, axis_type)
     assert arrays == plain_arrays
     assert every_call == plain_every_call == []
     assert not sorts
