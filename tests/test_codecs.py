@@ -350,6 +350,10 @@ def _mesh(shape, names, axis_type):
 
 REPLICATED = {"u": P(), "v": P(), "c": P()}
 TP = {"u": P(None, "model"), "v": P("model", None), "c": P("model")}
+# FSDP over its own axis (the window's `data` is summed, and must not split
+# the params): the matrices split along their first dimension, the small
+# vector replicated.
+FSDP = {"u": P("fsdp", None), "v": P("fsdp", None), "c": P()}
 
 # Pairwise over (mesh, axis type, params' layout, dtype, codec).
 WINDOW_CASES = {
@@ -387,6 +391,20 @@ WINDOW_CASES = {
         REPLICATED,
         jnp.float32,
         codecs.ternary(),
+    ),
+    "2d-explicit-fsdp-bf16-ternary": (
+        ((4, 2), ("data", "fsdp")),
+        AxisType.Explicit,
+        FSDP,
+        jnp.bfloat16,
+        codecs.ternary(),
+    ),
+    "2d-explicit-fsdp-f32-topk": (
+        ((4, 2), ("data", "fsdp")),
+        AxisType.Explicit,
+        FSDP,
+        jnp.float32,
+        codecs.topk(0.25, bits=4),
     ),
     "2d-explicit-tp-bf16-powersgd-warmup": (
         ((4, 2), ("data", "model")),
@@ -442,9 +460,19 @@ def test_window_reduction_on_meshes(case):
             for shape in c.shapes
         ]
         assert moves == ["f32[1,64,4]"] * 2
-    elif specs is TP:
-        # Codes keep the model split: no gather in the emission.
-        assert [m for m in moved_arrays(compiled) if m[2] != "entry"] == []
+    elif specs is not REPLICATED:
+        # Codes keep the params' split: in the emission nothing but sums
+        # (scales, norms) runs over the axis that splits them (top-k
+        # gathers its payloads over `data`, the summed axis).
+        split_axis = names[1]
+        moves = [
+            (c.kind, c.axes)
+            for c in ga.measure.collectives(compiled, mesh)
+            if c.place != "entry" and split_axis in c.axes and c.kind != "all-reduce"
+        ]
+        assert moves == []
+        if not codec.name.startswith("topk"):
+            assert [m for m in moved_arrays(compiled) if m[2] != "entry"] == []
 
 
 @pytest.mark.parametrize(
