@@ -37,7 +37,15 @@ same examples. Methods:
   digits MLP);
 - ``DP PowerSGD r4 warm-up 5``: the same at rank 4, its first 5 steps
   averaged in float32 (``powersgd(4, warmup=5)``, PyTorch's
-  ``start_powerSGD_iter``).
+  ``start_powerSGD_iter``);
+- ``DP float32 window 4``, ``DP topk 1% window 4``, ``DP PowerSGD r4
+  window 4`` and ``DP PowerSGD r4 warm-up 5 window 4``: data parallel
+  with `MultiSteps` windows of ``WINDOW`` (4) steps, each device
+  accumulating its own gradients and the window's mean averaged over the
+  devices once per window, in float32 or by the codec (the inner chain's
+  averaging, run on the emitting call only; the warm-up counts windows):
+  4x the batch per update and a quarter of the updates. Compare them with
+  the float32 window, not with ``DP float32``.
 
 The inner optimizer is the same everywhere: AdamW (the paper's inner
 optimizer), ``--lr`` 2e-3 (the better of 1e-3 and 2e-3 for data parallel),
@@ -56,9 +64,9 @@ are what each device receives, by the ring estimates, for every collective
 and every method: an all-reduce of S bytes over n devices 2 (n - 1) / n S,
 an all-gather of output S (n - 1) / n S. A codec's warm-up puts its
 float32 all-reduce and its factors' in the two branches of a cond, which
-the HLO does not tell apart: its bytes are those of ``DP float32``'s step
-for the warm-up steps and of the same codec without warm-up for the rest,
-each read from its own compiled step.
+the HLO does not tell apart: its bytes are those of the float32 step (or
+window) for the warm-up calls and of the same codec without warm-up for
+the rest, each read from its own compiled step.
 
 It prints a table (validation loss at the end, that is at equal examples,
 its ratio to DP float32, total bytes and their ratio to DP float32) and
@@ -131,6 +139,8 @@ OUTER_LR, OUTER_MOMENTUM = 0.5, 0.8
 # 1/500 of data parallel's bytes there.
 SPARSE_DENSITY, SPARSE_OUTER_LR = 0.018, 2.0
 TERNARY_SEED = 0
+# Micro-batches per window of the ``DP ... window`` rows.
+WINDOW = 4
 TARGET_LOSS_RATIO = 1.02  # DiLoCo H=32 at equal examples, within 2 % of DP
 TARGET_BYTES_RATIO = 1 / 30  # with at least 30x fewer bytes
 
@@ -143,8 +153,10 @@ class Method(NamedTuple):
     optimizer: Callable[[], optax.GradientTransformation]
     global_params: Callable[[Any, Any], Any]  # (params, state) -> params
     syncs: Callable[[int], int]  # steps -> executions of the loop body
-    # A data-parallel codec with a float32 warm-up: (steps, the optimizer
-    # whose step's collectives those steps run, the one of the others').
+    # A data-parallel codec with a float32 warm-up: (its first calls, the
+    # optimizer whose collectives those calls run, the one of the others').
+    # The codec is called on every step (its collectives in the entry) or
+    # on every sync (in the loop: a window's emitting call).
     warmup: tuple[int, Callable, Callable] | None = None
 
 
@@ -167,6 +179,20 @@ def methods(
 
     def data_parallel(averaging):
         return lambda: optax.chain(averaging, inner())
+
+    def windowed(name, averaging, warmup=None):
+        # The gradients accumulate on each device; the averaging runs on
+        # the window's emitting call only, in MultiSteps' loop.
+        def optimizer(averaging=averaging):
+            return lambda: ga.MultiSteps(optax.chain(averaging, inner()), WINDOW)
+
+        return Method(
+            f"DP {name} window {WINDOW}",
+            optimizer(),
+            _params_as_is,
+            lambda steps: steps // WINDOW,
+            None if warmup is None else (warmup[0], *map(optimizer, warmup[1:])),
+        )
 
     def diloco_method(name, sync_every, outer=outer, **kwargs):
         return Method(
@@ -228,6 +254,20 @@ def methods(
             )
             for name in ("topk 1%", "PowerSGD r4", "PowerSGD r7")
         ],
+        windowed("float32", ga.average_across_devices(AXIS)),
+        *[
+            windowed(name, _codec_average(CODECS[name]))
+            for name in ("topk 1%", "PowerSGD r4")
+        ],
+        windowed(
+            "PowerSGD r4 warm-up 5",
+            _codec_average(ga.codecs.powersgd(4, warmup=5)),
+            (
+                5,
+                ga.average_across_devices(AXIS),
+                _codec_average(ga.codecs.powersgd(4)),
+            ),
+        ),
         Method(
             "DP PowerSGD r4 warm-up 5",
             data_parallel(_codec_average(ga.codecs.powersgd(4, warmup=5))),
@@ -460,9 +500,13 @@ def measure(task: Task, chosen: list[Method], seeds: list[int], steps: int) -> d
             other_steps = step_collectives(method._replace(optimizer=rest), task)
             reductions = warm_steps + other_steps
             sent = [
-                bytes_sent(warm_steps, min(int(e), calls), 0)
-                + bytes_sent(other_steps, max(int(e) - calls, 0), 0)
-                for e in evals
+                bytes_sent(warm_steps, min(e, calls), min(method.syncs(e), calls))
+                + bytes_sent(
+                    other_steps,
+                    max(e - calls, 0),
+                    max(method.syncs(e) - calls, 0),
+                )
+                for e in map(int, evals)
             ]
         curves[method.name] = {
             "loss": losses.mean(0).tolist(),
