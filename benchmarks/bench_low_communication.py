@@ -183,12 +183,12 @@ def methods(
     def windowed(name, averaging, warmup=None):
         # The gradients accumulate on each device; the averaging runs on
         # the window's emitting call only, in MultiSteps' loop.
-        def optimizer(averaging=averaging):
+        def optimizer(averaging):
             return lambda: ga.MultiSteps(optax.chain(averaging, inner()), WINDOW)
 
         return Method(
             f"DP {name} window {WINDOW}",
-            optimizer(),
+            optimizer(averaging),
             _params_as_is,
             lambda steps: steps // WINDOW,
             None if warmup is None else (warmup[0], *map(optimizer, warmup[1:])),
