@@ -857,19 +857,19 @@ def _codec_diloco_step(reduction, mesh):
 
     with jax.set_mesh(mesh):
         one = {k: abstract(shapes[k], specs[k]) for k in specs}
-        state = jax.eval_shape(opt.init, one)
-        # On Auto axes `init`'s results carry no split: lay out each leaf
-        # shaped like a param (anchor, moments, residual) like that param,
-        # as a step's outputs would be.
-        like_param = {shapes[k]: specs[k] for k in specs}
-        state = jax.tree.map(
-            lambda s: abstract(
-                s.shape,
-                s.sharding.spec if s.sharding else like_param.get(s.shape, P()),
-                s.dtype,
-            ),
-            state,
-        )
+        if mesh.axis_types[0] == AxisType.Explicit:
+            state = jax.eval_shape(opt.init, one)
+        else:
+            # On Auto axes the types carry no split: `init` reads it from
+            # placed params (kept in the state for a codec), and its
+            # results are laid out like them, as a user's eager `init`.
+            placed = {
+                k: jax.device_put(jnp.zeros(s.shape, s.dtype), s.sharding)
+                for k, s in one.items()
+            }
+            state = jax.tree.map(
+                lambda a: abstract(a.shape, a.sharding.spec, a.dtype), opt.init(placed)
+            )
         params, state = jax.tree.map(stacked, (one, state))
         compiled = (
             jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
@@ -878,21 +878,34 @@ def _codec_diloco_step(reduction, mesh):
     return compiled, sum(4 * np.prod(s) for s in shapes.values()) // model
 
 
-@pytest.mark.parametrize("codec", ["ternary", "int8"])
-def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec):
-    """On `data` 2 x `model` 4 (Explicit), a diloco update whose
-    outer_reduction sends codes gathers nothing, as the float32 outer mean
-    does not: each device codes, packs and sends its own block of every
-    tensor-parallel leaf (ternary: 13 codes a word over 2 workers, about
-    1/13 of the float32 bytes of a device's blocks), and its temporaries
-    are those of the float32 path plus about one float32 buffer of a
-    device's blocks (measured 1.36x), not the gathered params'."""
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    reduction = (
-        ga.ternary_average_across_devices("data", seed=0)
-        if codec == "ternary"
-        else ga.compressed_average_across_devices("data", ga.codecs.quantized(bits=8))
-    )
+@pytest.mark.parametrize(
+    ("codec", "axis_type"),
+    [
+        ("ternary", AxisType.Explicit),
+        ("int8", AxisType.Explicit),
+        ("e2m1", AxisType.Auto),
+    ],
+    ids=["ternary-explicit", "int8-explicit", "e2m1-auto"],
+)
+def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec, axis_type):
+    """On `data` 2 x `model` 4, a diloco update whose outer_reduction sends
+    codes gathers nothing, as the float32 outer mean does not: each device
+    codes, packs and sends its own block of every tensor-parallel leaf
+    (ternary: 13 codes a word over 2 workers, about 1/13 of the float32
+    bytes of a device's blocks), and its temporaries are those of the
+    float32 path plus about one float32 buffer of a device's blocks
+    (measured 1.36x), not the gathered params'. On Auto axes, as `init`
+    saw the params split (before, XLA moved the codes over `model`)."""
+    mesh = _tp_mesh(axis_type)
+    reduction = {
+        "ternary": lambda: ga.ternary_average_across_devices("data", seed=0),
+        "int8": lambda: ga.compressed_average_across_devices(
+            "data", ga.codecs.quantized(bits=8)
+        ),
+        "e2m1": lambda: ga.compressed_average_across_devices(
+            "data", ga.codecs.quantized(bits=4)
+        ),
+    }[codec]()
     compiled, f32_share = _codec_diloco_step(reduction, mesh)
     plain, _ = _codec_diloco_step(None, mesh)
     for program in (compiled, plain):
@@ -939,12 +952,12 @@ def _per_call_arrays(codec, axis_type):
     return arrays, every_call, " sort(" in entry or "TopK" in entry
 
 
-# Every codec on Explicit axes; on Auto ones (where the codecs see whole
-# leaves and the compiler lays them out) those whose codes are not packed.
-# Packed codes there are the open case: XLA splits the padded planes of
-# the packing over `model` and hoists each device's padding mask (an iota
+# Every codec on Explicit axes and on Auto ones. On Auto axes each device
+# codes its block as `init` saw the params split; before, the codecs coded
+# whole leaves there, and for packed codes XLA split the padded planes of
+# the packing over `model` and hoisted each device's padding mask (an iota
 # compared with the partition id, a pred the size of a leaf's block) out
-# of the loop, where it is made on every call.
+# of the loop, where it was made on every call.
 @pytest.mark.parametrize(
     ("codec", "axis_type"),
     [
@@ -953,15 +966,7 @@ def _per_call_arrays(codec, axis_type):
         (ga.codecs.powersgd(2), AxisType.Explicit),
         (ga.codecs.topk(0.01), AxisType.Auto),
         (ga.codecs.powersgd(2), AxisType.Auto),
-        pytest.param(
-            ga.codecs.quantized(bits=4),
-            AxisType.Auto,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="on Auto axes the packing's padding mask is hoisted "
-                "out of the sync's loop",
-            ),
-        ),
+        (ga.codecs.quantized(bits=4), AxisType.Auto),
     ],
     ids=[
         "e2m1-explicit",

@@ -15,6 +15,12 @@ the blocks with collectives over the axis, exactly as in a ``shard_map``
 manual over it (`_mean`), and nothing is gathered. A ``shard_map`` cannot
 be used there: inside ``diloco``'s ``vmap`` over the workers, jax 0.10.2
 mis-lowers a ``shard_map`` that is not manual over the vmapped axis.
+
+Two callers say the split: one that read it from Explicit types before
+making the axes Auto (`leaf_layouts`, around the reduction), and the
+codec's own state, where ``init`` kept how it saw placed params split
+over Auto axes (`AutoSplits`, `seen_splits`): on an Auto mesh nothing
+else can, since under ``jax.jit`` the compiler chooses the split.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import AutoSplits, Codec, CodecSum, Wire
 from gradaccum_jax._ternary import _blocks
 
 # Per leaf of the next reduction's updates, how it is split over Auto mesh
@@ -58,36 +64,90 @@ def leaf_layouts(layouts: list[_blocks.Split]) -> Iterator[None]:
         _LAYOUTS.reset(token)
 
 
-def layouts_of(leaves: list[Any]) -> list[_blocks.Split]:
-    """Each leaf's split over Auto mesh axes, as `leaf_layouts` says.
+def seen_splits(leaves: list[Any]) -> AutoSplits:
+    """How ``leaves`` lie over Auto mesh axes, read from their shardings:
+    one entry per dimension of a split leaf.
 
-    ``()`` (whole) for every leaf when none was said for this many leaves
+    Known only for placed arrays (``init`` called on them, not under
+    ``jax.jit``, whose tracers on Auto axes carry no split); an entry over
+    an Explicit axis is left out (the type says it under ``jax.jit``).
+    """
+    splits = [_auto_split(leaf) for leaf in leaves]
+    if not any(_blocks.axes_of(split) for split in splits):
+        return AutoSplits()
+    return AutoSplits(tuple(splits))
+
+
+def _auto_split(leaf: Any) -> _blocks.Split:
+    if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+        return _blocks.WHOLE
+    sharding = leaf.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return _blocks.WHOLE
+    mesh = sharding.mesh
+    auto = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Auto
+    }
+    parts = (*sharding.spec, *(None,) * (leaf.ndim - len(sharding.spec)))
+    split = tuple(
+        part if _names(part) and set(_names(part)) <= auto else None for part in parts
+    )
+    return split if _blocks.axes_of(split) else _blocks.WHOLE
+
+
+def layouts_of(leaves: list[Any], seen: AutoSplits) -> list[_blocks.Split]:
+    """Each leaf's split over Auto mesh axes, as `leaf_layouts` says, else
+    as ``init`` saw the params (``seen``, the state's `AutoSplits`).
+
+    ``()`` (whole) for every leaf when neither says it for this many leaves
     (another reduction's updates), and for a leaf the split does not fit:
     one whose type is split already, a split over an axis that is not
-    Auto or of a dimension it does not divide.
+    Auto or of a dimension it does not divide. ``leaves`` may go on past
+    the params' (a reduction's own extra leaves: whole); a split with more
+    entries than its leaf has dimensions was seen on workers stacked on a
+    leading axis (``diloco``'s ``init`` on stacked params), whose entries
+    for the stacking axes are dropped.
     """
     layouts = _LAYOUTS.get()
     if layouts is None or len(layouts) != len(leaves):
-        return [_blocks.WHOLE] * len(leaves)
+        if not seen.splits or len(seen.splits) > len(leaves):
+            return [_blocks.WHOLE] * len(leaves)
+        layouts = (
+            *seen.splits,
+            *(_blocks.WHOLE,) * (len(leaves) - len(seen.splits)),
+        )
     return [
         split if _fits(leaf, split) else _blocks.WHOLE
-        for leaf, split in zip(leaves, layouts, strict=True)
+        for leaf, split in zip(leaves, map(_trailing, layouts, leaves), strict=True)
     ]
 
 
+def _trailing(split: _blocks.Split, leaf: Any) -> _blocks.Split:
+    """``split``'s entries for ``leaf``'s dimensions, counted from the last."""
+    extra = len(split) - np.ndim(leaf)
+    return split[extra:] if extra > 0 else split
+
+
 def _fits(leaf: Any, split: _blocks.Split) -> bool:
+    if any(part is not None for part in _partitions(leaf)):
+        return False
+    return fits(tuple(np.shape(leaf)), split)
+
+
+def fits(shape: tuple[int, ...], split: _blocks.Split) -> bool:
+    """Whether a leaf of ``shape`` can be split as ``split``: over Auto axes
+    of the current mesh, each of a size that divides its dimension."""
     mesh = jax.sharding.get_abstract_mesh()
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     axes = _blocks.axes_of(split)
-    if not axes or len(split) > np.ndim(leaf):
+    if not axes or len(split) > len(shape):
         return False
     if any(types.get(axis) != AxisType.Auto for axis in axes):
         return False
-    if any(part is not None for part in _partitions(leaf)):
-        return False
     return all(
-        size % _count(part) == 0
-        for size, part in zip(np.shape(leaf), split, strict=False)
+        size % _count(part) == 0 for size, part in zip(shape, split, strict=False)
     )
 
 

@@ -52,6 +52,12 @@ def compressed_average_across_devices(
     could not code (a NaN or an infinity) comes back NaN everywhere, and
     the residuals keep their values; a zero total weight returns zeros.
 
+    Leaves split over other mesh axes (tensor-parallel params, HSDP) are
+    coded where they lie, each device its own block: on Explicit axes as
+    their types say; on Auto axes as ``init`` saw the params split, when it
+    is given placed arrays (not under ``jax.jit``, whose types do not say
+    it on Auto axes; the state keeps the split, ``CodecState.auto_splits``).
+
     Example:
 
     >>> import jax, jax.numpy as jnp

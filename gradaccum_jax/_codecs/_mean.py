@@ -58,7 +58,8 @@ def coded(codec: Codec, leaf: Any) -> bool:
 
 
 def state_init(config: Reduce, params: Any, seed: int) -> CodecState:
-    """The state before the first call: zero residuals, the codec's own."""
+    """The state before the first call: zero residuals, the codec's own,
+    and how the params lie over Auto mesh axes where they are placed."""
     key = _random.seed_state(seed)
 
     def residual(param):
@@ -72,7 +73,10 @@ def state_init(config: Reduce, params: Any, seed: int) -> CodecState:
         if coded(config.codec, leaf)
     ]
     return CodecState(
-        key, jax.tree.map(residual, params), config.codec.init(shapes, key)
+        key,
+        jax.tree.map(residual, params),
+        config.codec.init(shapes, key),
+        _auto_blocks.seen_splits(jax.tree.leaves(params)),
     )
 
 
@@ -135,7 +139,7 @@ def reduce_with_codec(
         config.error_feedback,
         config.report_sq_excess,
     )
-    layouts = _auto_blocks.layouts_of(leaves)
+    layouts = _auto_blocks.layouts_of(leaves, state.auto_splits)
     coded_sum = _sum_on_blocks(
         config.codec,
         inputs,
@@ -165,6 +169,7 @@ def reduce_with_codec(
         _random.advance(state.key),
         jax.tree.unflatten(residual_treedef, new_residuals),
         codec_state,
+        state.auto_splits,
     )
     sq_excess = coded_sum.sq_excess
     sq_excess = jnp.zeros([], jnp.float32) if sq_excess is None else sq_excess

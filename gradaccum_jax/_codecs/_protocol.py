@@ -12,6 +12,7 @@ state's random counter. A codec only sums what it is given.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -107,6 +108,29 @@ class Codec(NamedTuple):
         return self.name
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class AutoSplits:
+    """How each param leaf was split over Auto mesh axes when ``init`` saw it.
+
+    On Auto axes the types under ``jax.jit`` do not say how the compiler
+    split a leaf, so a codec would code it whole and XLA would move the
+    codes over ``model`` to lay them out. ``init`` given placed arrays (not
+    traced) reads each one's split from its sharding and keeps it here, and
+    the reduction codes each device's block where it lies (see
+    `gradaccum_jax._codecs._auto_blocks`). A static pytree node: it is
+    part of the tree definition, holds no array, and passes through
+    ``jax.jit`` and checkpoints (restored into the target ``init`` made).
+
+    Attributes:
+      splits: per param leaf, a ``PartitionSpec``-like tuple of its entries
+        over Auto axes (``()``: whole, or not known); ``()`` for all when no
+        leaf is known to be split.
+    """
+
+    splits: tuple[_blocks.Split, ...] = ()
+
+
 class CodecState(NamedTuple):
     """The state of `gradaccum_jax.compressed_average_across_devices`.
 
@@ -120,11 +144,15 @@ class CodecState(NamedTuple):
         feedback), added to its next input; a ``NoResidual`` (its shape, no
         array) for leaves that keep none.
       codec: the codec's own state (`Codec.init`), ``()`` if none.
+      auto_splits: how ``init`` saw the params split over Auto mesh axes,
+        per leaf (a static node of the tree, no array: the states from
+        ``init`` and ``update`` have one tree definition).
     """
 
     key: jax.Array
     residual: optax.Updates
     codec: Any = ()
+    auto_splits: AutoSplits = AutoSplits()
 
     def with_own_stream(self, index: int) -> CodecState:
         """This state drawing from a random stream of its own for ``index``."""

@@ -5,7 +5,9 @@ the codec's own state), stacked on a leading device axis sharded over the
 window's mesh axes: plain arrays, checkpointable like the per-device
 window. A residual keeps its leaf's split over other axes (a
 tensor-parallel ``model`` split): each device codes, sends and keeps its
-own block.
+own block. On an Auto mesh the types do not say the split: the terms are
+coded as ``init`` saw the params split (`AutoSplits`), whole where it saw
+none.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _partials, _placement, _reduction, _tree
-from gradaccum_jax._codecs import _mean
+from gradaccum_jax._codecs import _auto_blocks, _mean
 from gradaccum_jax._codecs._average import codec_argument
-from gradaccum_jax._codecs._protocol import Codec, CodecState
+from gradaccum_jax._codecs._protocol import AutoSplits, Codec, CodecState
 from gradaccum_jax._ternary import _blocks
 from gradaccum_jax._ternary._leaves import NoResidual, is_masked, real_leaves
 
@@ -56,6 +58,12 @@ def compressed_window_reduction(
     axes), so a checkpoint saves and restores it mid-window like the
     window itself. A window of zero total weight is not applied, yet its
     residuals move on: only the residuals themselves are coded then.
+
+    A term split over another mesh axis (a tensor-parallel param's) is
+    coded where it lies, each device its own block: on Explicit axes as
+    its type says; on an Auto mesh as ``init`` saw the params split, when
+    ``MultiSteps.init`` is given placed arrays (not under ``jax.jit``,
+    whose types do not say it on Auto axes), else whole.
 
     Example:
 
@@ -98,13 +106,20 @@ def compressed_window_reduction(
         real_leaves(params, f"{_CALLER}: params")
         config = _config(codec, layout, error_feedback)
         whole = _mean.state_init(config, params, seed)
-        return CodecState(
-            whole.key,
-            jax.tree.map(
-                lambda leaf: _per_device(leaf, layout, _tree.partitions(leaf)),
-                whole.residual,
+        leaves = jax.tree.leaves(params)
+        shapes = [tuple(np.shape(leaf)) for leaf in leaves]
+        parts = iter(_term_parts(layout, whole.auto_splits, leaves, shapes))
+        residual = [
+            slot if is_masked(slot) else _per_device(slot, layout, part)
+            for slot, part in zip(
+                jax.tree.leaves(whole.residual, is_leaf=is_masked), parts, strict=True
+            )
+        ]
+        return whole._replace(
+            residual=jax.tree.unflatten(
+                jax.tree.structure(whole.residual, is_leaf=is_masked), residual
             ),
-            jax.tree.map(lambda leaf: _per_device(leaf, layout, ()), whole.codec),
+            codec=jax.tree.map(lambda leaf: _per_device(leaf, layout, ()), whole.codec),
         )
 
     def reduce_fn(terms, layout, state):
@@ -126,33 +141,59 @@ def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
     residual like its leaf of ``like`` (the gradients or params) over the
     others: a state restored from host arrays has lost both splits."""
     residual_slots = jax.tree.leaves(state.residual, is_leaf=is_masked)
-    like_leaves = (
-        jax.tree.leaves(like)
-        if like is not None
-        and len(jax.tree.leaves(like)) == len(residual_slots)
-        and not isinstance(layout, _partials.Stacked)  # stacked: whole leaves
-        else [None] * len(residual_slots)
-    )
-    placed = [
-        slot
-        if is_masked(slot)
-        else _place(
-            slot,
-            _device_spec(
-                layout,
-                _tree.partitions(slot)[1:]
-                if leaf is None
-                else _tree.partitions(leaf)[: jnp.ndim(slot) - 1],
-            ),
+    if isinstance(layout, _partials.Stacked):  # Auto: as `init` saw the params
+        shapes = [
+            slot.shape if is_masked(slot) else tuple(slot.shape[1:])
+            for slot in residual_slots
+        ]
+        parts = _term_parts(layout, state.auto_splits, residual_slots, shapes)
+    else:
+        like_leaves = (
+            jax.tree.leaves(like)
+            if like is not None and len(jax.tree.leaves(like)) == len(residual_slots)
+            else [None] * len(residual_slots)
         )
-        for slot, leaf in zip(residual_slots, like_leaves, strict=True)
+        parts = [
+            _blocks.WHOLE
+            if is_masked(slot)
+            else _tree.partitions(slot)[1:]
+            if leaf is None
+            else _tree.partitions(leaf)[: jnp.ndim(slot) - 1]
+            for slot, leaf in zip(residual_slots, like_leaves, strict=True)
+        ]
+    placed = [
+        slot if is_masked(slot) else _place(slot, _device_spec(layout, part))
+        for slot, part in zip(residual_slots, parts, strict=True)
     ]
     treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
-    return CodecState(
-        state.key,
-        jax.tree.unflatten(treedef, placed),
-        jax.tree.map(lambda leaf: _place(leaf, _device_spec(layout, ())), state.codec),
+    return state._replace(
+        residual=jax.tree.unflatten(treedef, placed),
+        codec=jax.tree.map(
+            lambda leaf: _place(leaf, _device_spec(layout, ())), state.codec
+        ),
     )
+
+
+def _term_parts(
+    layout: Any, seen: AutoSplits, leaves: list[Any], shapes: list[tuple[int, ...]]
+) -> list[_blocks.Split]:
+    """How each device's term of each leaf (one device's term of ``shapes``)
+    lies over the other mesh axes.
+
+    On Explicit axes: as the leaf's type says. Stacked terms (an Auto
+    axis): as ``init`` saw the params split (``seen``), less the stacking
+    axis (an FSDP leaf's terms are stacked over it whole), where the split
+    fits; ``()`` (whole) for a leaf past the params' or where nothing was
+    seen.
+    """
+    if not isinstance(layout, _partials.Stacked):
+        return [_tree.partitions(leaf) for leaf in leaves]
+    parts = []
+    for i, shape in enumerate(shapes):
+        split = seen.splits[i] if i < len(seen.splits) else _blocks.WHOLE
+        split = tuple(_placement.without_axis(part, layout.axis) for part in split)
+        parts.append(split if _auto_blocks.fits(shape, split) else _blocks.WHOLE)
+    return parts
 
 
 def _config(
@@ -198,15 +239,16 @@ def reduce_terms(
     leaves, treedef = jax.tree.flatten(terms)
     residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
     stacked = isinstance(layout, _partials.Stacked)
-    parts = [() if stacked else _tree.partitions(leaf) for leaf in leaves]
     slots = _residual_slots(config, leaves, residuals, stacked)
+    shapes = [tuple(np.shape(leaf))[1:] for leaf in leaves]
+    parts = _term_parts(layout, state.auto_splits, leaves, shapes)
     residual_specs = [
         None if is_masked(slot) else _device_spec(layout, parts[i])
         for i, slot in enumerate(slots)
     ]
     state_spec = _device_spec(layout, ())
     if stacked:
-        term_specs = [P(layout.axis)] * len(leaves)
+        term_specs = [P(layout.axis, *p) for p in parts]
     else:
         term_specs = [P(*p, unreduced=set(layout.axes)) for p in parts]
     arrays = [slot for slot in slots if not is_masked(slot)]
@@ -218,13 +260,12 @@ def reduce_terms(
         unstacked = iter([a[0] for a in arrays])
         device_slots = [slot if is_masked(slot) else next(unstacked) for slot in slots]
         codec_state = jax.tree.map(lambda leaf: leaf[0], codec_state)
-        splits = [_blocks.WHOLE if stacked else p for p in parts]
         sums, new, sq_excess = _mean.reduce_with_codec(
             config,
             leaves,
             CodecState(key, device_slots, codec_state),
             None,
-            splits,
+            parts,
         )
         new_arrays = [
             r[None]
@@ -240,7 +281,7 @@ def reduce_terms(
         local,
         in_specs=(term_specs, P(), array_specs, state_spec),
         out_specs=(
-            [P()] * len(leaves) if stacked else [P(*p) for p in parts],
+            [P(*p) for p in parts],
             P(),
             P(),
             array_specs,
@@ -258,8 +299,10 @@ def reduce_terms(
         : len(residuals)
     ]
     residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
-    new_state = CodecState(
-        key, jax.tree.unflatten(residual_treedef, new_residuals), codec_state
+    new_state = state._replace(
+        key=key,
+        residual=jax.tree.unflatten(residual_treedef, new_residuals),
+        codec=codec_state,
     )
     return jax.tree.unflatten(treedef, sums), new_state, sq_excess
 

@@ -97,7 +97,8 @@ def _mapped(worker_fn, axis_name, grads, state, params, weight):
 
     # Read before the map makes the Explicit axes Auto: each leaf's split
     # over the other axes, for a codec that codes each device's block.
-    # On an Auto mesh nothing says it (the compiler chose it): None.
+    # On an Auto mesh the types do not say it: None, and a codec's state
+    # says how `init` saw the params split (`_codecs._auto_blocks`).
     layouts = (
         [tuple(_tree.partitions(leaf)[1:]) for leaf in jax.tree.leaves(params)]
         if explicit_axes()
