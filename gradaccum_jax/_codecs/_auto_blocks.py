@@ -19,7 +19,7 @@ mis-lowers a ``shard_map`` that is not manual over the vmapped axis.
 Two callers say the split: one that read it from Explicit types before
 making the axes Auto (`leaf_layouts`, around the reduction), and the
 codec's own state, where ``init`` kept how it saw placed params split
-over Auto axes (`AutoSplits`, `seen_splits`): on an Auto mesh nothing
+over Auto axes (`_blocks.AutoSplits`, `seen_splits`): on an Auto mesh nothing
 else can, since under ``jax.jit`` the compiler chooses the split.
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax._codecs._protocol import AutoSplits, Codec, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
 from gradaccum_jax._ternary import _blocks
 
 # Per leaf of the next reduction's updates, how it is split over Auto mesh
@@ -64,7 +64,7 @@ def leaf_layouts(layouts: list[_blocks.Split]) -> Iterator[None]:
         _LAYOUTS.reset(token)
 
 
-def seen_splits(leaves: list[Any]) -> AutoSplits:
+def seen_splits(leaves: list[Any]) -> _blocks.AutoSplits:
     """How ``leaves`` lie over Auto mesh axes, read from their shardings:
     one entry per dimension of a split leaf.
 
@@ -74,8 +74,8 @@ def seen_splits(leaves: list[Any]) -> AutoSplits:
     """
     splits = [_auto_split(leaf) for leaf in leaves]
     if not any(_blocks.axes_of(split) for split in splits):
-        return AutoSplits()
-    return AutoSplits(tuple(splits))
+        return _blocks.AutoSplits()
+    return _blocks.AutoSplits(tuple(splits))
 
 
 def _auto_split(leaf: Any) -> _blocks.Split:
@@ -97,9 +97,9 @@ def _auto_split(leaf: Any) -> _blocks.Split:
     return split if _blocks.axes_of(split) else _blocks.WHOLE
 
 
-def layouts_of(leaves: list[Any], seen: AutoSplits) -> list[_blocks.Split]:
+def layouts_of(leaves: list[Any], seen: _blocks.AutoSplits) -> list[_blocks.Split]:
     """Each leaf's split over Auto mesh axes, as `leaf_layouts` says, else
-    as ``init`` saw the params (``seen``, the state's `AutoSplits`).
+    as ``init`` saw the params (``seen``, the state's `_blocks.AutoSplits`).
 
     ``()`` (whole) for every leaf when neither says it for this many leaves
     (another reduction's updates), and for a leaf the split does not fit:

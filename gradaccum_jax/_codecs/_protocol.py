@@ -12,7 +12,6 @@ state's random counter. A codec only sums what it is given.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,6 +19,7 @@ import jax
 import optax
 
 from gradaccum_jax._ternary import _blocks, _random
+from gradaccum_jax._ternary._blocks import AutoSplits
 
 
 class Wire(NamedTuple):
@@ -106,29 +106,6 @@ class Codec(NamedTuple):
 
     def __repr__(self) -> str:
         return self.name
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class AutoSplits:
-    """How each param leaf was split over Auto mesh axes when ``init`` saw it.
-
-    On Auto axes the types under ``jax.jit`` do not say how the compiler
-    split a leaf, so a codec would code it whole and XLA would move the
-    codes over ``model`` to lay them out. ``init`` given placed arrays (not
-    traced) reads each one's split from its sharding and keeps it here, and
-    the reduction codes each device's block where it lies (see
-    `gradaccum_jax._codecs._auto_blocks`). A static pytree node: it is
-    part of the tree definition, holds no array, and passes through
-    ``jax.jit`` and checkpoints (restored into the target ``init`` made).
-
-    Attributes:
-      splits: per param leaf, a ``PartitionSpec``-like tuple of its entries
-        over Auto axes (``()``: whole, or not known); ``()`` for all when no
-        leaf is known to be split.
-    """
-
-    splits: tuple[_blocks.Split, ...] = ()
 
 
 class CodecState(NamedTuple):

@@ -6,7 +6,7 @@ window's mesh axes: plain arrays, checkpointable like the per-device
 window. A residual keeps its leaf's split over other axes (a
 tensor-parallel ``model`` split): each device codes, sends and keeps its
 own block. On an Auto mesh the types do not say the split: the terms are
-coded as ``init`` saw the params split (`AutoSplits`), whole where it saw
+coded as ``init`` saw the params split (`_blocks.AutoSplits`), whole where it saw
 none.
 """
 
@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from gradaccum_jax import _checks, _partials, _placement, _reduction, _tree
 from gradaccum_jax._codecs import _auto_blocks, _mean
 from gradaccum_jax._codecs._average import codec_argument
-from gradaccum_jax._codecs._protocol import AutoSplits, Codec, CodecState
+from gradaccum_jax._codecs._protocol import Codec, CodecState
 from gradaccum_jax._ternary import _blocks
 from gradaccum_jax._ternary._leaves import NoResidual, is_masked, real_leaves
 
@@ -175,7 +175,10 @@ def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
 
 
 def _term_parts(
-    layout: Any, seen: AutoSplits, leaves: list[Any], shapes: list[tuple[int, ...]]
+    layout: Any,
+    seen: _blocks.AutoSplits,
+    leaves: list[Any],
+    shapes: list[tuple[int, ...]],
 ) -> list[_blocks.Split]:
     """How each device's term of each leaf (one device's term of ``shapes``)
     lies over the other mesh axes.

@@ -14,6 +14,7 @@ device gathers the others' blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -24,6 +25,29 @@ import jax.numpy as jnp
 Split = tuple[Any, ...]
 
 WHOLE: Split = ()
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class AutoSplits:
+    """How each param leaf was split over Auto mesh axes when ``init`` saw it.
+
+    On Auto axes the types under ``jax.jit`` do not say how the compiler
+    split a leaf, so a codec would code it whole and XLA would move the
+    codes over ``model`` to lay them out. ``init`` given placed arrays (not
+    traced) reads each one's split from its sharding and keeps it here, and
+    the reduction codes each device's block where it lies (see
+    `gradaccum_jax._codecs._auto_blocks`). A static pytree node: it is
+    part of the tree definition, holds no array, and passes through
+    ``jax.jit`` and checkpoints (restored into the target ``init`` made).
+
+    Attributes:
+      splits: per param leaf, a ``PartitionSpec``-like tuple of its entries
+        over Auto axes (``()``: whole, or not known); ``()`` for all when no
+        leaf is known to be split.
+    """
+
+    splits: tuple[Split, ...] = ()
 
 
 def axes_of(split: Split) -> tuple[str, ...]:

@@ -93,14 +93,17 @@ def ternary_average_across_devices(
     def init_fn(params):
         real_leaves(params, f"{_CALLER}: params")
         state = _mean.state_init(config, params, seed)
-        return TernaryState(state.key, state.residual)
+        return TernaryState(state.key, state.residual, state.auto_splits)
 
     def update_fn(updates, state, params=None, *, weight=None, **extra_args):
         del params, extra_args
         check_updates(updates, state.residual, _CALLER, min_size, config.keeps_residual)
         means, new_state, _ = _mean.reduce_with_codec(
-            config, updates, CodecState(state.key, state.residual), weight
+            config,
+            updates,
+            CodecState(state.key, state.residual, (), state.auto_splits),
+            weight,
         )
-        return means, TernaryState(new_state.key, new_state.residual)
+        return means, TernaryState(*new_state[:2], state.auto_splits)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from gradaccum_jax import _tree
-from gradaccum_jax._ternary import _random
+from gradaccum_jax._ternary import _blocks, _random
 from gradaccum_jax._ternary._leaves import NoResidual, is_compressed
 
 
@@ -45,10 +45,14 @@ class TernaryState(NamedTuple):
         for leaves that keep no residual (uncompressed leaves,
         ``error_feedback=False``, or TernGrad without clipping, which is
         unbiased).
+      auto_splits: for `ternary_average_across_devices`, how ``init`` saw
+        the params split over Auto mesh axes, per leaf (a static node of
+        the tree, no array; see `gradaccum_jax.extend.CodecState`).
     """
 
     key: jax.Array
     residual: optax.Updates
+    auto_splits: _blocks.AutoSplits = _blocks.AutoSplits()
 
     def with_own_stream(self, index: int) -> TernaryState:
         """This state drawing from a random stream of its own for ``index``
