@@ -929,7 +929,10 @@ def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec, axis_
         gathers = [c for c in moves if c.kind != "all-reduce"]
         if codec == "topk" and program is compiled:  # its payloads, over `data`
             assert {c.axes for c in gathers} == {("data",)}, gathers
-            assert sum(c.nbytes for c in gathers) <= f32_share / 20, gathers
+            # All it receives: the uint16 entries and float32 scales of 1 %
+            # of each block (3,128 bytes, 1/95 of the float32 share), not
+            # widened, and nothing decoded moves.
+            assert sum(c.nbytes for c in moves) <= f32_share / 50, moves
         else:
             assert gathers == []
     found = ga.measure.collectives(compiled, mesh)

@@ -97,7 +97,13 @@ def topk(density: float, bits: int = 2, *, min_size: int = DEFAULT_MIN_SIZE) -> 
         for j, x in enumerate(inputs):
             if j in gathered:
                 entries, scales = gathered[j]
-                sums.append(_decode(entries, scales, x, density, bits))
+                sums.append(
+                    _on_each_device(
+                        lambda e, s, x=x: _decode(e, s, x, density, bits),
+                        entries,
+                        scales,
+                    )
+                )
                 finite.append(jnp.all(jnp.isfinite(scales)))
             else:
                 sums.append(dense_sums[j])
@@ -159,8 +165,10 @@ def _encode(x: jax.Array, density: float, bits: int) -> tuple[Any, jax.Array]:
         jnp.uint32
     )
     index_bits = max(chunk - 1, 1).bit_length()
-    entries = index.astype(jnp.uint32) | (code << index_bits)
-    return entries.astype(dtype), scale
+    # Built in the entry's own dtype: a narrowing convert after the
+    # packing is moved by XLA after the all-gather, which then carries
+    # uint32 words (twice the bytes of uint16 entries).
+    return index.astype(dtype) | (code.astype(dtype) << index_bits), scale
 
 
 def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
@@ -170,10 +178,23 @@ def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
     it gathers the operand whole to every device first (in ``diloco``'s
     map over stacked workers, each worker's every chunk, over the workers'
     and the ``model`` axes: 1 MiB per 512 KiB leaf on ``data`` 2 x
-    ``model`` 4). Where mesh axes are not manual, the TopK runs in a
-    ``shard_map`` manual over them, whose maps over workers and blocks
-    (``spmd_axis_name``) split it as they split its operand. A sort would
-    be split too, but is some 40 times slower than the TopK on CPU.
+    ``model`` 4). A sort would be split, but is some 40 times slower than
+    the TopK on CPU.
+    """
+    return _on_each_device(lambda x: jax.lax.top_k(x, k)[1], x)
+
+
+def _on_each_device(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, run by each device on what it holds.
+
+    Where mesh axes are not manual (``diloco``'s maps over stacked workers
+    and over a leaf's blocks, ``spmd_axis_name``), ``fn`` runs in a
+    ``shard_map`` manual over them, which those maps split as they split
+    its operands: left to XLA's partitioner, a TopK is gathered whole, and
+    the decoding of gathered payloads is spread over the workers and its
+    results all-reduced back (in s32 and f32, about 4 times the payload's
+    u16 bytes). Elsewhere (``pmap``, a manual ``shard_map``) ``fn`` runs
+    as it is.
     """
     mesh = jax.sharding.get_abstract_mesh()
     free = {
@@ -182,14 +203,10 @@ def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
         if kind != AxisType.Manual
     }
     if not free:
-        return jax.lax.top_k(x, k)[1]
+        return fn(*args)
     return jax.shard_map(
-        lambda x: jax.lax.top_k(x, k)[1],
-        in_specs=P(),
-        out_specs=P(),
-        axis_names=free,
-        check_vma=False,
-    )(x)
+        fn, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False
+    )(*args)
 
 
 def _decode(
@@ -205,9 +222,11 @@ def _decode(
     else:
         levels = 2 ** (bits - 1)
         index_bits = max(chunk - 1, 1).bit_length()
-        words = entries.astype(jnp.uint32)
+        # In the entries' own dtype: a widened copy would be what XLA
+        # gathers (twice the bytes of uint16 entries).
+        words = entries
         index = (words & ((1 << index_bits) - 1)).astype(jnp.int32)
-        code = words >> index_bits
+        code = (words >> index_bits).astype(jnp.uint32)
         magnitude = ((code & (levels - 1)) + 1).astype(jnp.float32) / levels
         sign = jnp.where(code & levels, -1.0, 1.0)
         values = sign * magnitude * scales[..., None]
