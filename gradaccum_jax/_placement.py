@@ -10,10 +10,12 @@ placed (the compiled program of a placed input is unchanged), and moving a
 replicated input to a split one is a local slice, with no collective. On an
 Auto axis ``shard_map`` places its inputs itself.
 
-Two more questions about where arrays lie are answered here: whether a
+Three more questions about where arrays lie are answered here: whether a
 param is split over an axis its gradient must be summed over
-(`check_not_sharded_over`), and which mesh a concrete state lives on, for
-host-side calls made outside ``jax.set_mesh`` (`on_mesh_of`).
+(`check_not_sharded_over`), which mesh a concrete state lives on, for
+host-side calls made outside ``jax.set_mesh`` (`on_mesh_of`), and how to
+run a computation where its operands lie when XLA's partitioner would
+move them (`on_each_device`).
 """
 
 from __future__ import annotations
@@ -237,3 +239,30 @@ def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
     ):
         return jax.set_mesh(mesh)
     return contextlib.nullcontext()
+
+
+def on_each_device(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, run by each device on what it holds.
+
+    Where mesh axes are not manual (``diloco``'s maps over stacked workers
+    and over a leaf's blocks, ``spmd_axis_name``), ``fn`` runs in a
+    ``shard_map`` manual over them, which those maps split as they split
+    its operands. Left to XLA's partitioner, some operations are not run
+    where their operands lie: a TopK over a sharded batch dimension is
+    gathered whole, and the decoding of top-k payloads gathered over the
+    workers was spread over them and its results all-reduced back.
+    Elsewhere (``pmap``, a manual ``shard_map``) ``fn`` runs as it is.
+    ``fn`` must not use collectives: inside the workers' map their axis
+    name would be bound twice.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    free = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind != AxisType.Manual
+    }
+    if not free:
+        return fn(*args)
+    return jax.shard_map(
+        fn, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False
+    )(*args)

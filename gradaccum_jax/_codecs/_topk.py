@@ -22,10 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _checks
+from gradaccum_jax import _checks, _placement
 from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 
@@ -98,7 +96,7 @@ def topk(density: float, bits: int = 2, *, min_size: int = DEFAULT_MIN_SIZE) -> 
             if j in gathered:
                 entries, scales = gathered[j]
                 sums.append(
-                    _on_each_device(
+                    _placement.on_each_device(
                         lambda e, s, x=x: _decode(e, s, x, density, bits),
                         entries,
                         scales,
@@ -181,32 +179,7 @@ def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
     ``model`` 4). A sort would be split, but is some 40 times slower than
     the TopK on CPU.
     """
-    return _on_each_device(lambda x: jax.lax.top_k(x, k)[1], x)
-
-
-def _on_each_device(fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, run by each device on what it holds.
-
-    Where mesh axes are not manual (``diloco``'s maps over stacked workers
-    and over a leaf's blocks, ``spmd_axis_name``), ``fn`` runs in a
-    ``shard_map`` manual over them, which those maps split as they split
-    its operands: left to XLA's partitioner, a TopK is gathered whole, and
-    the decoding of gathered payloads is spread over the workers and its
-    results all-reduced back (in s32 and f32, about 4 times the payload's
-    u16 bytes). Elsewhere (``pmap``, a manual ``shard_map``) ``fn`` runs
-    as it is.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    free = {
-        name
-        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if kind != AxisType.Manual
-    }
-    if not free:
-        return fn(*args)
-    return jax.shard_map(
-        fn, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False
-    )(*args)
+    return _placement.on_each_device(lambda x: jax.lax.top_k(x, k)[1], x)
 
 
 def _decode(
