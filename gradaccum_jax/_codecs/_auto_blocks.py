@@ -19,8 +19,8 @@ mis-lowers a ``shard_map`` that is not manual over the vmapped axis.
 Two callers say the split: one that read it from Explicit types before
 making the axes Auto (`leaf_layouts`, around the reduction), and the
 codec's own state, where ``init`` kept how it saw placed params split
-over Auto axes (`_blocks.AutoSplits`, `seen_splits`): on an Auto mesh nothing
-else can, since under ``jax.jit`` the compiler chooses the split.
+over Auto axes (`_blocks.AutoSplits`, `seen_splits`): on an Auto mesh
+nothing else can, since under ``jax.jit`` the compiler chooses the split.
 """
 
 from __future__ import annotations
@@ -105,10 +105,7 @@ def layouts_of(leaves: list[Any], seen: _blocks.AutoSplits) -> list[_blocks.Spli
     (another reduction's updates), and for a leaf the split does not fit:
     one whose type is split already, a split over an axis that is not
     Auto or of a dimension it does not divide. ``leaves`` may go on past
-    the params' (a reduction's own extra leaves: whole); a split with more
-    entries than its leaf has dimensions was seen on workers stacked on a
-    leading axis (``diloco``'s ``init`` on stacked params), whose entries
-    for the stacking axes are dropped.
+    the params' (a reduction's own extra leaves: whole).
     """
     layouts = _LAYOUTS.get()
     if layouts is None or len(layouts) != len(leaves):
@@ -120,14 +117,8 @@ def layouts_of(leaves: list[Any], seen: _blocks.AutoSplits) -> list[_blocks.Spli
         )
     return [
         split if _fits(leaf, split) else _blocks.WHOLE
-        for leaf, split in zip(leaves, map(_trailing, layouts, leaves), strict=True)
+        for leaf, split in zip(leaves, layouts, strict=True)
     ]
-
-
-def _trailing(split: _blocks.Split, leaf: Any) -> _blocks.Split:
-    """``split``'s entries for ``leaf``'s dimensions, counted from the last."""
-    extra = len(split) - np.ndim(leaf)
-    return split[extra:] if extra > 0 else split
 
 
 def _fits(leaf: Any, split: _blocks.Split) -> bool:

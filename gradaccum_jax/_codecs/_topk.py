@@ -195,11 +195,9 @@ def _decode(
     else:
         levels = 2 ** (bits - 1)
         index_bits = max(chunk - 1, 1).bit_length()
-        # In the entries' own dtype: a widened copy would be what XLA
-        # gathers (twice the bytes of uint16 entries).
-        words = entries
+        words = entries.astype(jnp.uint32)
         index = (words & ((1 << index_bits) - 1)).astype(jnp.int32)
-        code = (words >> index_bits).astype(jnp.uint32)
+        code = words >> index_bits
         magnitude = ((code & (levels - 1)) + 1).astype(jnp.float32) / levels
         sign = jnp.where(code & levels, -1.0, 1.0)
         values = sign * magnitude * scales[..., None]
