@@ -192,6 +192,33 @@ def test_powersgd_reproduces_a_rank_r_mean_exactly_layer_by_layer():
     assert [q.shape[1:] for q in state.codec] == [(3, 48, 2), (1, 40, 2)]
 
 
+def test_unscanned_powersgd_reads_a_multi_axis_kernel_as_one_matrix():
+    """An attention-like kernel (d_model, heads, head_dim) whose 64 x 128
+    matrix has rank 2: `scanned=False` factors it whole and gives the exact
+    mean; read as 64 layers of 8 x 16 (the default, for scanned leaves),
+    rank 2 misses most of each layer."""
+    rng = np.random.default_rng(1)
+    matrix = np.einsum(
+        "mr,dcr->dmc", rng.standard_normal((64, 2)), rng.standard_normal((N, 128, 2))
+    )
+    grads = {"k": matrix.reshape(N, 64, 8, 16).astype(np.float32)}
+    errors = {}
+    for scanned in (False, True):
+        codec = codecs.powersgd(2, scanned=scanned)
+        tx = ga.compressed_average_across_devices("i", codec)
+        state = _replicate(tx.init(_params({"k": (64, 8, 16)})))
+        means, state = jax.pmap(tx.update, axis_name="i")(grads, state)
+        want = grads["k"].mean(0)
+        errors[scanned] = np.abs(means["k"][0] - want).max() / np.abs(want).max()
+        # Q per matrix: one of 128 columns, or one per layer of 16.
+        assert state.codec[0].shape[1:] == ((64, 16, 2) if scanned else (1, 128, 2))
+    assert errors[False] < 1e-5, errors
+    assert errors[True] > 0.1, errors
+    assert repr(codecs.powersgd(2, scanned=False)) == (
+        "powersgd(rank=2, min_size=256, scanned=False)"
+    )
+
+
 def test_topk_at_full_density_and_32_bits_is_the_float32_mean():
     tx = ga.compressed_average_across_devices("i", codecs.topk(1.0, bits=32))
     grads = _grads(3)

@@ -356,6 +356,7 @@ TABLE: list[Row] = [
         (-1, 2.5, "5", None, True, 2**32),
         INTEGER_GE_0,
     ),
+    Row("codecs.powersgd", "scanned", ("False", None, 0), BOOL),
 ]
 
 

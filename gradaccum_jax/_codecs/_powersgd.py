@@ -15,8 +15,10 @@ P)^T``; error feedback keeps ``M_d`` less that.
 A leaf of rank 2 is one matrix; a leaf of rank 3 or more is a scanned
 stack of layers (its leading axis), each layer's ``shape[1] x
 prod(shape[2:])`` matrix compressed on its own, never mixed with the
-others. Vectors, and matrices whose factors would not be smaller than
-themselves, are summed exactly in float32.
+others; with ``scanned=False``, one ``shape[0] x prod(shape[1:])``
+matrix (an unscanned model's multi-axis kernel, such as attention's
+``(d_model, heads, head_dim)``). Vectors, and matrices whose factors
+would not be smaller than themselves, are summed exactly in float32.
 
 With ``warmup=N`` the first N calls send every leaf's float32 sum and
 leave ``Q`` as it was (PyTorch's ``start_powerSGD_iter``): the first
@@ -41,15 +43,22 @@ from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 _COUNTER_LIMIT = 2**32
 
 
-def matrices(shape: tuple[int, ...]) -> tuple[int, int, int]:
+def matrices(shape: tuple[int, ...], scanned: bool = True) -> tuple[int, int, int]:
     """``(layers, rows, columns)`` of a leaf of rank >= 2: one matrix per
-    layer of a scanned leaf (rank >= 3: its leading axis)."""
-    if len(shape) == 2:
-        return 1, shape[0], shape[1]
+    layer of a scanned leaf (rank >= 3, ``scanned``: its leading axis),
+    else one matrix, its first axis against the rest."""
+    if len(shape) == 2 or not scanned:
+        return 1, shape[0], int(np.prod(shape[1:], dtype=np.int64))
     return shape[0], shape[1], int(np.prod(shape[2:], dtype=np.int64))
 
 
-def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0) -> Codec:
+def powersgd(
+    rank: int,
+    *,
+    min_size: int = DEFAULT_MIN_SIZE,
+    warmup: int = 0,
+    scanned: bool = True,
+) -> Codec:
     """Each matrix sent as a rank-``rank`` product, warm-started, per layer.
 
     Two small all-reduces per call (the left factors ``P``, then the right
@@ -57,6 +66,11 @@ def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0) ->
     per matrix instead of ``rows * columns``. A leaf of rank >= 3 is a
     scanned stack of layers, its leading axis: each layer's matrix (its
     other axes, the second against the rest) is compressed on its own.
+    A model without scanned layers whose kernels have more than two axes
+    (attention's ``(d_model, heads, head_dim)``) takes ``scanned=False``:
+    such a leaf is one matrix, its first axis against the rest (read as
+    layers, a ``(32, 2, 16)`` kernel is 32 matrices of 2 x 16, which rank
+    1 barely compresses).
     Vectors, leaves under ``min_size`` elements and matrices whose factors
     are no smaller than themselves are summed exactly in float32. Low rank
     is biased: use it with error feedback, which keeps what the factors
@@ -89,6 +103,8 @@ def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0) ->
       min_size: leaves with fewer elements are summed exactly in float32.
       warmup: how many first calls send the float32 sum instead, an
         integer in [0, 2**32 - 1].
+      scanned: whether a leaf of rank >= 3 is a stack of layers on its
+        leading axis (True) or one matrix (False).
 
     Returns:
       A `gradaccum_jax.extend.Codec` whose state is ``Q`` per leaf.
@@ -96,6 +112,7 @@ def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0) ->
     rank = _checks.positive_int("rank", rank)
     min_size = _checks.nonnegative_int("min_size", min_size)
     warmup = _checks.nonnegative_int("warmup", warmup)
+    scanned = _checks.boolean("scanned", scanned)
     if warmup >= _COUNTER_LIMIT:
         raise ValueError(
             f"`warmup` must be an integer in [0, 2**32 - 1] (the state's call "
@@ -105,14 +122,14 @@ def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0) ->
     def compresses(shape: tuple[int, ...]) -> bool:
         if len(shape) < 2 or int(np.prod(shape, dtype=np.int64)) < max(min_size, 1):
             return False
-        _, rows, columns = matrices(shape)
+        _, rows, columns = matrices(shape, scanned)
         return rank * (rows + columns) < rows * columns
 
     def init(shapes: list[jax.ShapeDtypeStruct], key: jax.Array) -> list[jax.Array]:
         base = jax.random.key(jnp.asarray(key)[0])
         factors = []
         for j, shape in enumerate(shapes):
-            layers, _, columns = matrices(tuple(shape.shape))
+            layers, _, columns = matrices(tuple(shape.shape), scanned)
             factors.append(
                 jax.random.normal(
                     jax.random.fold_in(base, j), (layers, columns, rank), jnp.float32
@@ -122,13 +139,13 @@ def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0) ->
 
     def codec_sum(inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire):
         if not warmup:
-            return _factored_sum(inputs, state, wire)
+            return _factored_sum(inputs, state, wire, scanned)
         # The counter is the same on every device: they all take one branch.
         warm = key[1] < jnp.uint32(warmup)
         out = _cond(
             warm,
             lambda: _float32_sum(inputs, state, wire),
-            lambda: _factored_sum(inputs, state, wire),
+            lambda: _factored_sum(inputs, state, wire, scanned),
         )
         # A warm-up call sent the inputs themselves. They are chosen here,
         # out of the cond: inside a shard_map that does not check the
@@ -139,22 +156,27 @@ def powersgd(rank: int, *, min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0) ->
 
     return Codec(
         f"powersgd(rank={rank}, min_size={min_size}"
-        + (f", warmup={warmup})" if warmup else ")"),
+        + (f", warmup={warmup}" if warmup else "")
+        + ("" if scanned else ", scanned=False")
+        + ")",
         compresses,
         init,
         codec_sum,
     )
 
 
-def _factored_sum(inputs: list[jax.Array], state: Any, wire: Wire) -> CodecSum:
+def _factored_sum(
+    inputs: list[jax.Array], state: Any, wire: Wire, scanned: bool
+) -> CodecSum:
     """One power iteration on every leaf's matrices: the module's scheme."""
     parts = [
-        _matrix_split(x, split) for x, split in zip(inputs, wire.splits, strict=True)
+        _matrix_split(x, split, scanned)
+        for x, split in zip(inputs, wire.splits, strict=True)
     ]
     stacks = [
-        _whole(x, split).reshape(matrices(_whole_shape(x, split)))
+        _whole(x, split).reshape(matrices(_whole_shape(x, split), scanned))
         if part is None
-        else x.reshape(matrices(x.shape))
+        else x.reshape(matrices(x.shape, scanned))
         for x, split, part in zip(inputs, wire.splits, parts, strict=True)
     ]
     # Each block's product with its rows of Q, summed over the devices
@@ -238,14 +260,18 @@ class _MatrixSplit(NamedTuple):
     columns: tuple[str, ...]
 
 
-def _matrix_split(block: jax.Array, split: _blocks.Split) -> _MatrixSplit | None:
+def _matrix_split(
+    block: jax.Array, split: _blocks.Split, scanned: bool
+) -> _MatrixSplit | None:
     """How ``block`` splits its leaf's matrices; None when a dimension after
     the first of the columns is split (its columns are not one range: the
     leaf is gathered whole) or when the leaf is whole."""
     if not _blocks.axes_of(split):
         return None
     parts = [_names(part) for part in (*split, *(None,) * (block.ndim - len(split)))]
-    if block.ndim == 2:
+    if block.ndim == 2 or not scanned:
+        if any(parts[2:]):
+            return None
         return _MatrixSplit((), parts[0], parts[1])
     if any(parts[3:]):
         return None
