@@ -24,7 +24,9 @@ same examples. Methods:
   `gradaccum_jax.codecs` with `compressed_average_across_devices` (error
   feedback): ``int8`` and ``e2m1`` (`quantized`), ``topk 1%`` (2-bit
   values, SparseLoCo's setting), ``topk 3% 4-bit`` and ``PowerSGD r1``,
-  ``r2`` and ``r4``;
+  ``r2`` and ``r4``; ``PowerSGD r1 unscanned`` and ``r2 unscanned``
+  (``scanned=False``: the transformer's attention kernels read as one
+  matrix each, not as layers);
 - ``DiLoCo H=32 topk 1.8% 4-bit SGD 2``: top-k at 1.8 % in 4 bits (about
   1/500 of data parallel's bytes on the transformer) with SparseLoCo's
   outer optimizer, plain SGD without momentum (the error-feedback residual
@@ -291,6 +293,8 @@ CODECS = {
     "topk 3% 4-bit": ga.codecs.topk(0.03, bits=4),
     "PowerSGD r1": ga.codecs.powersgd(1),
     "PowerSGD r2": ga.codecs.powersgd(2),
+    "PowerSGD r1 unscanned": ga.codecs.powersgd(1, scanned=False),
+    "PowerSGD r2 unscanned": ga.codecs.powersgd(2, scanned=False),
     "PowerSGD r4": ga.codecs.powersgd(4),
     "PowerSGD r7": ga.codecs.powersgd(7),
 }
