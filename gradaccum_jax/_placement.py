@@ -222,6 +222,12 @@ def check_not_sharded_over(params: Any, axes: frozenset[str], what: str) -> None
             )
 
 
+def is_concrete(leaf: Any) -> bool:
+    """Whether ``leaf`` is an array with values (not traced): its sharding
+    says where it lies, on Auto axes too."""
+    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+
+
 def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
     """The mesh of a concrete state leaf, set, when none is set already.
 
@@ -232,8 +238,7 @@ def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
     sharding = getattr(leaf, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if (
-        isinstance(leaf, jax.Array)
-        and not isinstance(leaf, jax.core.Tracer)
+        is_concrete(leaf)
         and isinstance(mesh, jax.sharding.Mesh)
         and jax.sharding.get_abstract_mesh().empty
     ):

@@ -415,6 +415,13 @@ WINDOW_CASES = {
         jnp.float32,
         codecs.quantized(bits=4),
     ),
+    "2d-auto-fsdp-bf16-topk": (
+        ((4, 2), ("data", "fsdp")),
+        AxisType.Auto,
+        FSDP,
+        jnp.bfloat16,
+        codecs.topk(0.25, bits=4),
+    ),
     "2d-explicit-tp-bf16-powersgd": (
         ((4, 2), ("data", "model")),
         AxisType.Explicit,

@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from gradaccum_jax import _placement
 from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
 from gradaccum_jax._ternary import _blocks
 
@@ -79,7 +80,7 @@ def seen_splits(leaves: list[Any]) -> _blocks.AutoSplits:
 
 
 def _auto_split(leaf: Any) -> _blocks.Split:
-    if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+    if not _placement.is_concrete(leaf):
         return _blocks.WHOLE
     sharding = leaf.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):

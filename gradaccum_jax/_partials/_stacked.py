@@ -44,7 +44,7 @@ class Stacked(DeviceTerms):
         shape = (self.size, *jnp.shape(like))
         dtype = jnp.result_type(like)
         mesh = getattr(getattr(like, "sharding", None), "mesh", None)
-        if _is_concrete(like) and isinstance(mesh, jax.sharding.Mesh):
+        if _placement.is_concrete(like) and isinstance(mesh, jax.sharding.Mesh):
             sharding = jax.sharding.NamedSharding(mesh, self._spec_like(like))
             return jnp.zeros(shape, dtype, device=sharding)
         return self._split_like(jnp.zeros(shape, dtype), like)
@@ -133,7 +133,7 @@ def _term_partitions(like: Any, axis: str) -> tuple[Any, ...]:
     ndim = jnp.ndim(like)
     if _placement.is_explicit(axis):
         parts = _tree.partitions(like)
-    elif _is_concrete(like):
+    elif _placement.is_concrete(like):
         sharding = like.sharding
         parts = ()
         if isinstance(sharding, jax.sharding.NamedSharding) and _tree.mesh_axes_in(
@@ -143,8 +143,3 @@ def _term_partitions(like: Any, axis: str) -> tuple[Any, ...]:
     else:
         return (P.UNCONSTRAINED,) * ndim
     return (*parts, *(None,) * (ndim - len(parts)))
-
-
-def _is_concrete(leaf: Any) -> bool:
-    """Whether ``leaf`` is an array with values (not traced)."""
-    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
