@@ -811,8 +811,10 @@ def test_ternary_window_is_identical_on_every_device_and_per_seed(any_mesh):
     step = jax.jit(_weighted_step(opt))
     updates, state = _run_window(step, jax.jit(opt.init)(params), batches)
     assert bool(opt.has_updated(state))
-    # The PRNG counter (seed, windows reduced) is in the state, replicated.
-    np.testing.assert_array_equal(state.reduction_state, [3, 1])
+    # The PRNG counter (seed, windows reduced) is in the state, replicated,
+    # and nothing else (no residual).
+    np.testing.assert_array_equal(state.reduction_state.key, [3, 1])
+    assert state.reduction_state.residual == []
     _assert_replicated_bitwise(updates)
     # Ternary: each device sends codes in {-1, 0, 1} times one shared scale,
     # so a compressed leaf's sum takes at most 2n + 1 values.
@@ -862,7 +864,9 @@ def test_ternary_window_is_unbiased_over_seeds(any_mesh):
     _assert_unbiased_over_seeds(
         _ternary_opt(clip_sigma=None),
         lambda state0, seed: state0._replace(
-            reduction_state=jnp.array([seed, 0], jnp.uint32)
+            reduction_state=state0.reduction_state._replace(
+                key=jnp.array([seed, 0], jnp.uint32)
+            )
         ),
         seeds=96,
         shrink=4,
@@ -878,14 +882,14 @@ def test_ternary_window_state_checkpoints_and_draws_the_same_bits(mesh):
     _, state = _run_window(step, jax.jit(opt.init)(params), first)
     # Saved at a window boundary: the counter is all the reduction keeps.
     saved = jax.device_get(jax.jit(opt.reduce_window)(state))
-    np.testing.assert_array_equal(saved.reduction_state, [5, 1])
+    np.testing.assert_array_equal(saved.reduction_state.key, [5, 1])
     restored = jax.device_put(saved, P())
     for batch in second:
         expected, state = step(params, state, *_place(batch))
         updates, restored = step(params, restored, *_place(batch))
     for name in expected:
         np.testing.assert_array_equal(updates[name], expected[name], err_msg=name)
-    np.testing.assert_array_equal(restored.reduction_state, [5, 2])
+    np.testing.assert_array_equal(restored.reduction_state.key, [5, 2])
 
 
 # --- a ternary window per device: ternary_accumulate(unreduced_axes=) ------

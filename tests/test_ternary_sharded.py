@@ -48,8 +48,8 @@ LAYOUTS = {
 }
 
 
-def _mesh(shape, names):
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+def _mesh(shape, names, axis_type=AxisType.Explicit):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
 
 
 def _tree(seed, dtype):
@@ -235,10 +235,14 @@ def test_a_per_device_window_restored_on_fewer_devices_is_a_clear_error(axis_typ
 TP_SPECS = {"u": P(None, "model"), "v": P("model", None), "c": P("model")}
 
 
-def _window_sums(specs, *, seed=3, track_noise_scale=False):
+def _window_sums(
+    specs, *, seed=3, track_noise_scale=False, axis_type=AxisType.Explicit
+):
     """Two windows of 2 micro-batches of per-device gradients on the
     ``data`` 4 x ``model`` 2 mesh; their emitted updates, and the compiled
-    step (with ``track_noise_scale``, the last state's stats instead)."""
+    step (with ``track_noise_scale``, the last state's stats instead). On
+    Auto axes ``init`` runs on the placed params, as users call it: under
+    ``jax.jit`` it could not see their split."""
     rng = np.random.default_rng(0)
     params = {
         "u": jnp.asarray(rng.standard_normal((16, 64)), jnp.float32),
@@ -265,9 +269,10 @@ def _window_sums(specs, *, seed=3, track_noise_scale=False):
     def step(params, state, x):
         return opt.update(grad_fn(params, x)[1], state, params)
 
-    with jax.set_mesh(_mesh((4, 2), ("data", "model"))):
+    with jax.set_mesh(_mesh((4, 2), ("data", "model"), axis_type)):
         params = jax.device_put(params, specs)
-        state = jax.jit(opt.init)(params)
+        auto = axis_type == AxisType.Auto
+        state = opt.init(params) if auto else jax.jit(opt.init)(params)
         step = jax.jit(step)
         emitted = []
         for _ in range(4):
@@ -280,16 +285,23 @@ def _window_sums(specs, *, seed=3, track_noise_scale=False):
     return emitted[1::2], compiled
 
 
-def test_ternary_window_reduction_of_tensor_parallel_terms_keeps_their_split():
+@pytest.mark.parametrize(
+    "axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"]
+)
+def test_ternary_window_reduction_of_tensor_parallel_terms_keeps_their_split(
+    axis_type,
+):
     """Each device codes and sends its own block of a split term, with the
     scale and the random bits of the whole leaf: the codes of replicated
-    params, and half their words on the wire."""
-    emitted, compiled = _window_sums(TP_SPECS)
+    params, and half their words on the wire. On Auto axes the state says
+    how ``init`` saw the params split (their types do not)."""
+    emitted, compiled = _window_sums(TP_SPECS, axis_type=axis_type)
     replicated, replicated_compiled = _window_sums(
-        jax.tree.map(lambda _: P(), TP_SPECS)
+        jax.tree.map(lambda _: P(), TP_SPECS), axis_type=axis_type
     )
     for got, want in zip(emitted, replicated, strict=True):
-        assert _specs(got) == TP_SPECS
+        if axis_type == AxisType.Explicit:  # on Auto axes the compiler's
+            assert _specs(got) == TP_SPECS
         # A code off by one would move an element of u by a sixteenth of
         # its scale: 1e-6 of it is rounding.
         _assert_same_values(got, want)

@@ -34,8 +34,9 @@ class MultiStepsState(NamedTuple):
       micro_steps: micro-batches accepted since init.
       emitted: whether the last call emitted an update.
       reduction_state: the ``window_reduction``'s state (``()`` for the
-        default float all-reduce; the PRNG counter of
-        `gradaccum_jax.ternary_window_reduction`).
+        default float all-reduce; a `gradaccum_jax.extend.CodecState`
+        for `gradaccum_jax.ternary_window_reduction` and
+        `gradaccum_jax.compressed_window_reduction`).
       window_size: the current window's size with an `adaptive_every_k`
         schedule (int32), else ``()``.
       statistics: each window statistic's state, by the statistic's name (a

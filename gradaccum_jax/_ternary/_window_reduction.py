@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import jax
+
 from gradaccum_jax import _reduction
-from gradaccum_jax._codecs import _mean
+from gradaccum_jax._codecs import _auto_blocks, _mean
 from gradaccum_jax._codecs._protocol import CodecState
 from gradaccum_jax._codecs._ternary import ternary_codec
 from gradaccum_jax._codecs._window import reduce_terms
@@ -34,7 +36,14 @@ def ternary_window_reduction(
     run in a ``jax.shard_map`` over ``unreduced_axes`` on the per-device
     terms, with its wire format (1/7 of the float32 bytes with 8 devices):
     `gradaccum_jax.compressed_window_reduction` with TernGrad's rounding
-    and no error feedback, its state the random counter alone.
+    and no error feedback, its state a `gradaccum_jax.extend.CodecState`
+    holding the random counter alone (no residual).
+
+    A term split over another mesh axis (a tensor-parallel param's) is
+    coded where it lies, each device its own block: on Explicit axes as its
+    type says; on an Auto mesh as ``init`` saw the params split, when
+    ``MultiSteps.init`` is given placed arrays (not under ``jax.jit``,
+    whose types do not say it on Auto axes), else whole.
 
     With ``clip_sigma=None`` the emitted sum is an unbiased estimate of the
     exact window sum; TernGrad's clipping trades a small bias for less
@@ -89,9 +98,16 @@ def ternary_window_reduction(
 
     def init_fn(params):
         real_leaves(params, "ternary_window_reduction: params")
-        return _random.seed_state(seed)
+        # No residual and a codec without state: the counter, and how the
+        # params lie over Auto mesh axes where they are placed.
+        return CodecState(
+            _random.seed_state(seed),
+            [],
+            (),
+            _auto_blocks.seen_splits(jax.tree.leaves(params)),
+        )
 
-    def reduce_fn(terms, layout, key):
+    def reduce_fn(terms, layout, state):
         axes = tuple(sorted(layout.axes))
         config = _mean.Reduce(
             codec,
@@ -101,10 +117,6 @@ def ternary_window_reduction(
             report_sq_excess=True,
             caller="ternary_window_reduction",
         )
-        # No residual and a codec without state: the counter is the state.
-        sums, state, sq_excess = reduce_terms(
-            config, terms, layout, CodecState(key, [], ())
-        )
-        return sums, state.key, sq_excess
+        return reduce_terms(config, terms, layout, state)
 
     return _reduction.WindowReduction(init_fn, reduce_fn, reports_sq_excess=True)
