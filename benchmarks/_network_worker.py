@@ -78,7 +78,8 @@ SYNC_EVERY = 32
 LEARNING_RATE = 1e-3
 
 # Timing model: 256 -> 2048 -> 2048 -> 10, 4,740,106 float32 parameters
-# (18.1 MiB of gradients per all-reduce), 4 examples per device.
+# (18.1 MiB of gradients per all-reduce), 4 examples per device unless
+# ``--batch`` says otherwise (more arithmetic per synced byte).
 TIMING_LAYERS = (256, 2048, 2048, 10)
 TIMING_PER_DEVICE_BATCH = 4
 
@@ -290,6 +291,7 @@ def time_variant(
     repeats: int,
     budget_s: float,
     count_bytes: bool = False,
+    per_device_batch: int = TIMING_PER_DEVICE_BATCH,
 ) -> dict[str, Any]:
     """Milliseconds per step (per window of EVERY_K micro-steps for accum8).
 
@@ -313,7 +315,7 @@ def time_variant(
     if trainer.per_device_params:
         num_params //= n
     rng = np.random.default_rng(1)
-    batch = n * TIMING_PER_DEVICE_BATCH
+    batch = n * per_device_batch
     x = rng.normal(size=(batch, TIMING_LAYERS[0])).astype(np.float32)
     y = rng.integers(0, TIMING_LAYERS[-1], size=(batch,)).astype(np.int32)
     x, y = trainer.put(x, trainer.split), trainer.put(y, trainer.split)
@@ -358,6 +360,7 @@ def time_variant(
     result = {
         "variant": variant,
         "num_params": num_params,
+        "per_device_batch": per_device_batch,
         "ms_per_step": median / steps,
         "ms_all": times,
         "repeats": len(times),
@@ -458,6 +461,12 @@ def main() -> None:
         action="store_true",
         help="also read each variant's collective bytes from its compiled step",
     )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=TIMING_PER_DEVICE_BATCH,
+        help="examples per device per step of the timing model",
+    )
     parser.add_argument("--timeout", type=int, default=60, help="seconds")
     args = parser.parse_args()
 
@@ -493,6 +502,7 @@ def main() -> None:
                     args.repeats,
                     args.budget,
                     args.count_bytes,
+                    args.batch,
                 )
             )
         else:

@@ -24,7 +24,10 @@ loopback:
   127.0.0.1 with gloo CPU collectives, one CPU device each, one mesh over
   both; all their traffic stays in the namespace;
 - the workers time the jitted data-parallel step (``jax.shard_map``,
-  parameters replicated, batch split) of a 4.7M-parameter MLP with each
+  parameters replicated, batch split) of a 4.7M-parameter MLP, 4 examples
+  per process per step unless ``--batch`` says otherwise (little
+  arithmetic, so that communication shows; more examples give a step more
+  arithmetic per synced byte, as a real model's has), with each
   variant: ``f32`` (`average_across_devices` + sgd), ``ternary``
   (`ternary_average_across_devices` + sgd), ``accum8`` (`MultiSteps` with
   k=8, count_skipped=True, around the float32 mean + sgd; per micro-step
@@ -140,6 +143,13 @@ def parse_rate(text: str) -> float:
     if not (rate > 0 and math.isfinite(rate)):
         raise argparse.ArgumentTypeError(f"rate must be > 0 or 'unlimited': {text}")
     return rate
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1: {text}")
+    return value
 
 
 def burst_bytes(rate: float) -> int:
@@ -374,6 +384,7 @@ def plot(points: list[dict], cross: dict, path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     finite = [p["rate"] for p in points if math.isfinite(p["rate"])]
     unlimited_x = 10 * max(finite) if finite else 100.0
@@ -419,7 +430,9 @@ def plot(points: list[dict], cross: dict, path: Path, title: str) -> None:
             ["unlimited" if t == unlimited_x and ax is time_ax else f"{t:g}"
              for t in ticks]
         )  # fmt: skip
-        ax.minorticks_off()
+        # Only the rates on the x axis; a log y axis within one decade
+        # (the codec runs) shows its values on its minor ticks.
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("loopback bandwidth (Gbit/s, both directions together)")
         ax.grid(True, which="major", alpha=0.3)
     time_ax.legend(fontsize=7)
@@ -563,6 +576,13 @@ def main() -> None:
         help="seconds of warmup and repeats per variant and rate (at least one "
         "repeat is timed)",
     )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        default=4,
+        help="examples per process per step of the timed MLP (default 4: "
+        "little arithmetic, so that communication shows)",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="0 skips accuracy")
     parser.add_argument(
         "--updates", type=int, default=300, help="optimizer updates per accuracy run"
@@ -605,7 +625,7 @@ def main() -> None:
                 worker_args = [
                     "--task=timing", f"--variants={args.variants}",
                     f"--warmup={args.warmup}", f"--repeats={args.repeats}",
-                    f"--budget={args.budget}",
+                    f"--budget={args.budget}", f"--batch={args.batch}",
                     # Bytes do not depend on the rate: read once.
                     *(["--count-bytes"] if not points else []),
                 ]  # fmt: skip
@@ -660,7 +680,8 @@ def main() -> None:
     }
     num_params = next((r["num_params"] for p in points for r in p["runs"]), None)
     title = (
-        f"2 processes x 1 CPU device, gloo, {num_params or '?'} params; "
+        f"2 processes x 1 CPU device, gloo, {num_params or '?'} params, "
+        f"{args.batch} examples per process; "
         f"{platform.machine()}, {os.cpu_count()} cores"
     )
     print()
