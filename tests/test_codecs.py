@@ -631,6 +631,42 @@ def test_topk_sends_the_largest_entries_of_each_chunk_in_two_bits():
         np.testing.assert_allclose(values[top], expected, rtol=1e-6)
 
 
+def test_topk_adds_the_gathered_payloads_in_the_devices_order():
+    """Each device decodes the 8 gathered payloads into one float32 sum,
+    device 0's entries first: bitwise NumPy's sum in that order, on every
+    device. The devices pick mostly the same entries (a shared spike
+    pattern), whose float32 sum depends on the order."""
+    devices, k = jax.device_count(), 205  # ceil(0.05 * 4096)
+    rng = np.random.default_rng(11)
+    spikes = np.zeros(2 * 4096, np.float32)
+    spikes[rng.choice(spikes.size, 300, replace=False)] = 50.0
+    scale = 10.0 ** rng.uniform(-3, 3, (devices, spikes.size))
+    grads = (spikes + rng.standard_normal((devices, spikes.size)) * scale).astype(
+        np.float32
+    )
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.topk(0.05, bits=32), error_feedback=False
+    )
+    state = tx.init({"w": grads[0].reshape(2, 4096)})
+    means = jax.pmap(lambda g: tx.update({"w": g}, state)[0]["w"], axis_name="i")(
+        grads.reshape(devices, 2, 4096)
+    )
+    shares = (grads / np.float32(devices)).reshape(devices, 2, 4096)
+
+    def in_order(order):
+        total = np.zeros((2, 4096), np.float32)
+        for d in order:
+            for row in range(2):
+                top = np.argsort(-np.abs(shares[d, row]), kind="stable")[:k]
+                total[row, top] = total[row, top] + shares[d, row, top]
+        return total
+
+    expected = in_order(range(devices))
+    for d in range(devices):
+        np.testing.assert_array_equal(np.asarray(means[d]), expected)
+    assert not np.array_equal(in_order(reversed(range(devices))), expected)
+
+
 def _row_mean_step(tx):
     """``tx``'s mean of the `data` devices' rows, a ``shard_map`` manual over
     `data` alone (the other axes' splits kept), jitted."""

@@ -203,10 +203,13 @@ def _decode(
         values = sign * magnitude * scales[..., None]
     rows = jnp.arange(chunks)[:, None]
     total = jnp.zeros((chunks, chunk), jnp.float32)
-    for d in range(values.shape[0]):  # distinct indices per device: exact
-        total = total + jnp.zeros((chunks, chunk), jnp.float32).at[rows, index[d]].set(
-            values[d]
-        )
+    # One scatter-add per device, in order, into the sum itself: a device's
+    # indices are distinct within a chunk, so each element is added to in
+    # the devices' order, the same floats everywhere (a dense add of each
+    # device's scattered payload did the same in two passes over the leaf
+    # per device).
+    for d in range(values.shape[0]):
+        total = total.at[rows, index[d]].add(values[d], unique_indices=True)
     return total.reshape(-1)[: like.size].reshape(like.shape)
 
 
