@@ -25,8 +25,8 @@ same examples. Methods:
   feedback): ``int8`` and ``e2m1`` (`quantized`), ``topk 1%`` (2-bit
   values, SparseLoCo's setting), ``topk 3% 4-bit`` and ``PowerSGD r1``,
   ``r2`` and ``r4``; ``PowerSGD r1 unscanned`` and ``r2 unscanned``
-  (``scanned=False``: the transformer's attention kernels read as one
-  matrix each, not as layers);
+  (``scanned=False``: the transformer's attention kernels and output
+  projections read as one matrix each, not as layers);
 - ``DiLoCo H=32 topk 1.8% 4-bit SGD 2``: top-k at 1.8 % in 4 bits (about
   1/500 of data parallel's bytes on the transformer) with SparseLoCo's
   outer optimizer, plain SGD without momentum (the error-feedback residual

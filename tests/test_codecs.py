@@ -219,6 +219,70 @@ def test_unscanned_powersgd_reads_a_multi_axis_kernel_as_one_matrix():
     )
 
 
+@pytest.mark.parametrize(
+    ("shape", "scanned", "q_shape"),
+    [((8, 16, 64), False, (1, 64, 2)), ((3, 8, 16, 64), True, (3, 64, 2))],
+    ids=["unscanned", "scanned"],
+)
+def test_powersgd_reads_an_output_projection_as_heads_by_model(shape, scanned, q_shape):
+    """An output projection (heads, head_dim, d_model), or a scanned stack
+    of them, whose (heads * head_dim) x d_model matrix has rank 2: read
+    where it is most square, rank 2 gives the exact mean. Read as heads x
+    (head_dim * d_model), an 8-row matrix of rank up to 8, it would not."""
+    *layers, heads, head_dim, d_model = shape
+    rng = np.random.default_rng(2)
+    left = rng.standard_normal((*layers, heads * head_dim, 2))
+    right = rng.standard_normal((N, *layers, d_model, 2))
+    matrix = np.einsum("...mr,d...cr->d...mc", left, right)
+    grads = {"o": matrix.reshape(N, *shape).astype(np.float32)}
+    tx = ga.compressed_average_across_devices("i", codecs.powersgd(2, scanned=scanned))
+    state = _replicate(tx.init(_params({"o": shape})))
+    means, state = jax.pmap(tx.update, axis_name="i")(grads, state)
+    want = grads["o"].mean(0)
+    assert np.abs(means["o"][0] - want).max() / np.abs(want).max() < 1e-5
+    assert state.codec[0].shape[1:] == q_shape
+
+
+def test_powersgd_factors_a_projection_split_over_its_heads_where_it_lies():
+    """An output projection split over `model` along its heads (a
+    row-parallel layer's): each device multiplies its rows, and beyond what
+    the step's `shard_map` boundary moves (the same step with a float32
+    mean), only P's blocks move over `model`, never the leaf; the mean is
+    exact (rank 2)."""
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
+    rng = np.random.default_rng(3)
+    matrix = np.einsum(
+        "mr,dcr->dmc", rng.standard_normal((128, 2)), rng.standard_normal((4, 64, 2))
+    )
+    grads = matrix.reshape(4, 8, 16, 64).astype(np.float32)
+    moved = {}
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(grads, P("data", "model"))
+        for name, tx in {
+            "powersgd": ga.compressed_average_across_devices(
+                "data", codecs.powersgd(2, scanned=False)
+            ),
+            "float32": ga.average_across_devices("data"),
+        }.items():
+            step = _row_mean_step(tx)
+            got = step(placed)
+            moved[name] = [
+                shape
+                for c in ga.measure.collectives(step.lower(placed).compile(), mesh)
+                if c.kind != "all-reduce"
+                for shape in c.shapes
+            ]
+            if name == "powersgd":
+                assert _spec(got) == ("data", "model")
+                want = grads.mean(0)
+                error = np.abs(np.asarray(got)[0] - want).max() / np.abs(want).max()
+                assert error < 1e-5, error
+    # P's rows gathered over `model`: 128 rows x rank 2, 64 from each side.
+    for shape in moved["float32"]:
+        moved["powersgd"].remove(shape)
+    assert moved["powersgd"] == ["f32[1,128,2]"], moved
+
+
 def test_topk_at_full_density_and_32_bits_is_the_float32_mean():
     tx = ga.compressed_average_across_devices("i", codecs.topk(1.0, bits=32))
     grads = _grads(3)

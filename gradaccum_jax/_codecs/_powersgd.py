@@ -13,12 +13,13 @@ iteration per step enough). Device d's share of the sum is ``P (M_d^T
 P)^T``; error feedback keeps ``M_d`` less that.
 
 A leaf of rank 2 is one matrix; a leaf of rank 3 or more is a scanned
-stack of layers (its leading axis), each layer's ``shape[1] x
-prod(shape[2:])`` matrix compressed on its own, never mixed with the
-others; with ``scanned=False``, one ``shape[0] x prod(shape[1:])``
-matrix (an unscanned model's multi-axis kernel, such as attention's
-``(d_model, heads, head_dim)``). Vectors, and matrices whose factors
-would not be smaller than themselves, are summed exactly in float32.
+stack of layers (its leading axis), each layer's matrix compressed on
+its own, never mixed with the others; with ``scanned=False``, one matrix
+(an unscanned model's multi-axis kernel, such as attention's
+``(d_model, heads, head_dim)``). A matrix of more than two axes is read
+as its most square split into leading row axes and trailing column axes
+(`column_axis`). Vectors, and matrices whose factors would not be
+smaller than themselves, are summed exactly in float32.
 
 With ``warmup=N`` the first N calls send every leaf's float32 sum and
 leave ``Q`` as it was (PyTorch's ``start_powerSGD_iter``): the first
@@ -43,13 +44,49 @@ from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 _COUNTER_LIMIT = 2**32
 
 
-def matrices(shape: tuple[int, ...], scanned: bool = True) -> tuple[int, int, int]:
+def _layered(shape: tuple[int, ...], scanned: bool) -> bool:
+    """Whether ``shape``'s leading axis is a stack of layers."""
+    return scanned and len(shape) >= 3
+
+
+def column_axis(shape: tuple[int, ...], scanned: bool = True) -> int:
+    """The first axis of a leaf of rank >= 2 that numbers its matrices'
+    columns; the axes before it (after a scanned leaf's layer axis) number
+    the rows.
+
+    Of the ways to read the matrix axes as rows against columns, the most
+    square one: the fewest floats in rank-r factors, ``r (rows + columns)``
+    (ties: fewer row axes). It reads attention's ``(d_model, heads,
+    head_dim)`` as ``d_model`` x ``heads * head_dim`` and its output
+    projection ``(heads, head_dim, d_model)`` as ``heads * head_dim`` x
+    ``d_model``, and a convolution's ``(kh, kw, c_in, c_out)`` as ``kh *
+    kw * c_in`` x ``c_out``. Chosen from the whole leaf's shape: a device's
+    block of a split leaf is read the same way.
+    """
+    first = 1 if _layered(shape, scanned) else 0
+    axes = shape[first:]
+
+    def factor_floats(at: int) -> tuple[int, int]:
+        rows = int(np.prod(axes[:at], dtype=np.int64))
+        return rows + int(np.prod(axes[at:], dtype=np.int64)), at
+
+    return first + min(range(1, len(axes)), key=factor_floats)
+
+
+def matrices(
+    shape: tuple[int, ...], scanned: bool = True, columns_from: int | None = None
+) -> tuple[int, int, int]:
     """``(layers, rows, columns)`` of a leaf of rank >= 2: one matrix per
     layer of a scanned leaf (rank >= 3, ``scanned``: its leading axis),
-    else one matrix, its first axis against the rest."""
-    if len(shape) == 2 or not scanned:
-        return 1, shape[0], int(np.prod(shape[1:], dtype=np.int64))
-    return shape[0], shape[1], int(np.prod(shape[2:], dtype=np.int64))
+    else one matrix; its columns from axis ``columns_from`` on
+    (`column_axis` of ``shape`` by default)."""
+    at = column_axis(shape, scanned) if columns_from is None else columns_from
+    first = 1 if _layered(shape, scanned) else 0
+    return (
+        shape[0] if first else 1,
+        int(np.prod(shape[first:at], dtype=np.int64)),
+        int(np.prod(shape[at:], dtype=np.int64)),
+    )
 
 
 def powersgd(
@@ -65,12 +102,16 @@ def powersgd(
     ``Q``, of every leaf in one each): ``rank * (rows + columns)`` floats
     per matrix instead of ``rows * columns``. A leaf of rank >= 3 is a
     scanned stack of layers, its leading axis: each layer's matrix (its
-    other axes, the second against the rest) is compressed on its own.
-    A model without scanned layers whose kernels have more than two axes
-    (attention's ``(d_model, heads, head_dim)``) takes ``scanned=False``:
-    such a leaf is one matrix, its first axis against the rest (read as
-    layers, a ``(32, 2, 16)`` kernel is 32 matrices of 2 x 16, which rank
-    1 barely compresses).
+    other axes) is compressed on its own. A model without scanned layers
+    whose kernels have more than two axes (attention's ``(d_model, heads,
+    head_dim)``) takes ``scanned=False``: such a leaf is one matrix (read
+    as layers, a ``(32, 2, 16)`` kernel is 32 matrices of 2 x 16, which
+    rank 1 barely compresses). Where a matrix has more than two axes, its
+    leading axes are its rows and the others its columns, split where the
+    matrix is most square (the fewest factor floats): ``(d_model, heads,
+    head_dim)`` is ``d_model`` x ``heads * head_dim``, an output
+    projection ``(heads, head_dim, d_model)`` is ``heads * head_dim`` x
+    ``d_model``.
     Vectors, leaves under ``min_size`` elements and matrices whose factors
     are no smaller than themselves are summed exactly in float32. Low rank
     is biased: use it with error feedback, which keeps what the factors
@@ -79,8 +120,8 @@ def powersgd(
     products are summed over the blocks, and only the factors' blocks
     (``rank * rows`` or ``rank * columns`` floats) are gathered over the
     axes that split the rows (to orthogonalize ``P``) or the columns (to
-    keep ``Q`` whole); a leaf of rank 4 or more split after its third
-    axis is gathered whole.
+    keep ``Q`` whole); a leaf split over a row axis other than its first,
+    or over a column axis other than its first, is gathered whole.
 
     ``warmup`` calls first send the float32 sum of every leaf, one
     all-reduce, as PyTorch's PowerSGD hook does for its first
@@ -169,15 +210,20 @@ def _factored_sum(
     inputs: list[jax.Array], state: Any, wire: Wire, scanned: bool
 ) -> CodecSum:
     """One power iteration on every leaf's matrices: the module's scheme."""
-    parts = [
-        _matrix_split(x, split, scanned)
+    # Where each leaf's columns start, from its whole shape.
+    ats = [
+        column_axis(_whole_shape(x, split), scanned)
         for x, split in zip(inputs, wire.splits, strict=True)
     ]
+    parts = [
+        _matrix_split(x, split, scanned, at)
+        for x, split, at in zip(inputs, wire.splits, ats, strict=True)
+    ]
     stacks = [
-        _whole(x, split).reshape(matrices(_whole_shape(x, split), scanned))
+        _whole(x, split).reshape(matrices(_whole_shape(x, split), scanned, at))
         if part is None
-        else x.reshape(matrices(x.shape, scanned))
-        for x, split, part in zip(inputs, wire.splits, parts, strict=True)
+        else x.reshape(matrices(x.shape, scanned, at))
+        for x, split, part, at in zip(inputs, wire.splits, parts, ats, strict=True)
     ]
     # Each block's product with its rows of Q, summed over the devices
     # and over the blocks of the matrix's columns in one all-reduce.
@@ -261,21 +307,20 @@ class _MatrixSplit(NamedTuple):
 
 
 def _matrix_split(
-    block: jax.Array, split: _blocks.Split, scanned: bool
+    block: jax.Array, split: _blocks.Split, scanned: bool, at: int
 ) -> _MatrixSplit | None:
-    """How ``block`` splits its leaf's matrices; None when a dimension after
-    the first of the columns is split (its columns are not one range: the
-    leaf is gathered whole) or when the leaf is whole."""
+    """How ``block`` splits its leaf's matrices, whose columns start at
+    axis ``at``; None when an axis after the first of the rows or of the
+    columns is split (they are not one range: the leaf is gathered whole)
+    or when the leaf is whole."""
     if not _blocks.axes_of(split):
         return None
     parts = [_names(part) for part in (*split, *(None,) * (block.ndim - len(split)))]
-    if block.ndim == 2 or not scanned:
-        if any(parts[2:]):
-            return None
-        return _MatrixSplit((), parts[0], parts[1])
-    if any(parts[3:]):
+    first = 1 if _layered(block.shape, scanned) else 0
+    rows, columns = parts[first:at], parts[at:]
+    if any(rows[1:]) or any(columns[1:]):
         return None
-    return _MatrixSplit(parts[0], parts[1], parts[2])
+    return _MatrixSplit(parts[0] if first else (), rows[0], columns[0])
 
 
 def _names(part: Any) -> tuple[str, ...]:
