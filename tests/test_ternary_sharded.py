@@ -233,6 +233,9 @@ def test_a_per_device_window_restored_on_fewer_devices_is_a_clear_error(axis_typ
 # Leaves above the default min_size (256): u by columns, v by rows, and a
 # bias below it, summed exactly.
 TP_SPECS = {"u": P(None, "model"), "v": P("model", None), "c": P("model")}
+# Every leaf split along its first dimension over the second mesh axis:
+# FSDP's layout (the axis keeps the name `model` in these tests).
+ROW_SPECS = {"u": P("model", None), "v": P("model", None), "c": P("model")}
 
 
 def _window_sums(
@@ -286,22 +289,26 @@ def _window_sums(
 
 
 @pytest.mark.parametrize(
-    "axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"]
+    ("axis_type", "specs"),
+    [
+        (AxisType.Explicit, TP_SPECS),
+        (AxisType.Auto, TP_SPECS),
+        (AxisType.Auto, ROW_SPECS),
+    ],
+    ids=["explicit-tp", "auto-tp", "auto-fsdp"],
 )
-def test_ternary_window_reduction_of_tensor_parallel_terms_keeps_their_split(
-    axis_type,
-):
+def test_ternary_window_reduction_of_split_terms_keeps_their_split(axis_type, specs):
     """Each device codes and sends its own block of a split term, with the
     scale and the random bits of the whole leaf: the codes of replicated
     params, and half their words on the wire. On Auto axes the state says
     how ``init`` saw the params split (their types do not)."""
-    emitted, compiled = _window_sums(TP_SPECS, axis_type=axis_type)
+    emitted, compiled = _window_sums(specs, axis_type=axis_type)
     replicated, replicated_compiled = _window_sums(
-        jax.tree.map(lambda _: P(), TP_SPECS), axis_type=axis_type
+        jax.tree.map(lambda _: P(), specs), axis_type=axis_type
     )
     for got, want in zip(emitted, replicated, strict=True):
         if axis_type == AxisType.Explicit:  # on Auto axes the compiler's
-            assert _specs(got) == TP_SPECS
+            assert _specs(got) == specs
         # A code off by one would move an element of u by a sixteenth of
         # its scale: 1e-6 of it is rounding.
         _assert_same_values(got, want)
