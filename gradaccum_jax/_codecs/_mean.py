@@ -52,9 +52,15 @@ class Reduce(NamedTuple):
         return self.error_feedback and self.codec.keeps_residual
 
 
-def coded(codec: Codec, leaf: Any) -> bool:
-    """Whether ``codec`` compresses ``leaf`` (static: from its shape)."""
-    return bool(codec.compresses(tuple(np.shape(leaf))))
+def coded(codec: Codec, leaf: Any, split: _blocks.Split = _blocks.WHOLE) -> bool:
+    """Whether ``codec`` compresses ``leaf`` (static: from its shape), or
+    the leaf of which ``leaf`` is the block split as ``split``: ``init``
+    decided from the whole leaf, and a block may fall under a size
+    threshold (``min_size``, PowerSGD's factors) that the leaf does not."""
+    shape = tuple(np.shape(leaf))
+    if _blocks.axes_of(split):
+        shape = _blocks.whole_shape(shape, split)
+    return bool(codec.compresses(shape))
 
 
 def state_init(config: Reduce, params: Any, seed: int) -> CodecState:
@@ -114,7 +120,9 @@ def reduce_with_codec(
     leaves, treedef = jax.tree.flatten(updates)
     splits = splits or [_blocks.WHOLE] * len(leaves)
     residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
-    compressed = [i for i, x in enumerate(leaves) if coded(config.codec, x)]
+    compressed = [
+        i for i, x in enumerate(leaves) if coded(config.codec, x, splits[i])
+    ]
     exact = [i for i in range(len(leaves)) if i not in compressed]
     results = list(leaves)
     exact_results, share, has_weight = _exact(
