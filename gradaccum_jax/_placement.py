@@ -44,14 +44,20 @@ def is_explicit(axis: str) -> bool:
     return axis_type(axis) == AxisType.Explicit
 
 
-def explicit_axes() -> tuple[str, ...]:
-    """The Explicit axes of the current mesh, in its order."""
-    mesh = jax.sharding.get_abstract_mesh()
+def axes_typed(*kinds: AxisType, mesh: Any = None) -> tuple[str, ...]:
+    """The axes of ``mesh`` (default: the current mesh) whose type is one of
+    ``kinds``, in the mesh's order."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     return tuple(
         name
         for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if kind == AxisType.Explicit
+        if kind in kinds
     )
+
+
+def explicit_axes() -> tuple[str, ...]:
+    """The Explicit axes of the current mesh, in its order."""
+    return axes_typed(AxisType.Explicit)
 
 
 def placed(leaf: Any, spec: P) -> Any:
@@ -260,12 +266,7 @@ def on_each_device(fn: Any, *args: Any) -> Any:
     ``fn`` must not use collectives: inside the workers' map their axis
     name would be bound twice.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    free = {
-        name
-        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if kind != AxisType.Manual
-    }
+    free = set(axes_typed(AxisType.Explicit, AxisType.Auto))
     if not free:
         return fn(*args)
     return jax.shard_map(

@@ -5,6 +5,7 @@ spelling of ``chex.variants(with_jit=True, without_jit=True)``): Python-side
 branching and trace-time checks behave differently in the two.
 ``train_step_temp_bytes`` reads a donated train step's compiled temporaries;
 ``entry_arrays`` lists the arrays a compiled step makes on every call.
+``init_as_users_do`` initializes a state on the current mesh as a user would.
 ``public_names`` lists the package's public names, its submodules' too.
 ``compiled_reference`` compiles paths of ``benchmarks/bench_scale.py``'s
 reference configuration on 64 devices, in a process of its own.
@@ -155,3 +156,12 @@ def compiled_reference(scratch: pathlib.Path, *paths: str) -> dict[str, dict]:
     )
     rows = json.loads((scratch / "scale.json").read_text())
     return {row["path"]: row for row in rows}
+
+
+def init_as_users_do(init: Any, params: Any) -> Any:
+    """``init(params)`` on the current mesh: eagerly where it has Auto axes,
+    whose split ``init`` reads from the placed params (under ``jax.jit``
+    their types do not say it); jitted on Explicit axes."""
+    if jax.sharding.AxisType.Auto in jax.sharding.get_abstract_mesh().axis_types:
+        return init(params)
+    return jax.jit(init)(params)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax import codecs
-from helpers import moved_arrays
+from helpers import init_as_users_do, moved_arrays
 
 N = 8
 
@@ -243,12 +243,27 @@ def test_powersgd_reads_an_output_projection_as_heads_by_model(shape, scanned, q
     assert state.codec[0].shape[1:] == q_shape
 
 
-def test_powersgd_factors_a_projection_split_over_its_heads_where_it_lies():
-    """An output projection split over `model` along its heads (a
-    row-parallel layer's): each device multiplies its rows, and beyond what
-    the step's `shard_map` boundary moves (the same step with a float32
-    mean), only P's blocks move over `model`, never the leaf; the mean is
-    exact (rank 2)."""
+@pytest.mark.parametrize(
+    ("spec", "moves"),
+    [
+        # Its first row axis: P's rows (128 x rank 2) gathered, 64 a side.
+        (P("data", "model"), ["f32[1,128,2]"]),
+        # Its first column axis: Q's rows (64 x rank 2), 32 a side.
+        (P("data", None, None, "model"), ["f32[1,64,2]"]),
+        # A later row axis: its rows are not one range, the leaf is
+        # gathered whole.
+        (P("data", None, "model"), ["f32[8,16,64]"]),
+    ],
+    ids=["heads", "d_model", "head_dim"],
+)
+def test_powersgd_factors_a_split_projection_where_it_lies(spec, moves):
+    """An output projection (heads, head_dim, d_model), read as its
+    (heads * head_dim) x d_model matrix, split over `model`: split along
+    the first axis of its rows (a row-parallel layer's heads) or of its
+    columns, each device multiplies its block, and beyond what the step's
+    `shard_map` boundary moves (the same step with a float32 mean) only a
+    factor's blocks move over `model`; split along a later axis, the leaf
+    is gathered whole. The mean is exact (rank 2) either way."""
     mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
     rng = np.random.default_rng(3)
     matrix = np.einsum(
@@ -257,7 +272,7 @@ def test_powersgd_factors_a_projection_split_over_its_heads_where_it_lies():
     grads = matrix.reshape(4, 8, 16, 64).astype(np.float32)
     moved = {}
     with jax.set_mesh(mesh):
-        placed = jax.device_put(grads, P("data", "model"))
+        placed = jax.device_put(grads, spec)
         for name, tx in {
             "powersgd": ga.compressed_average_across_devices(
                 "data", codecs.powersgd(2, scanned=False)
@@ -273,14 +288,13 @@ def test_powersgd_factors_a_projection_split_over_its_heads_where_it_lies():
                 for shape in c.shapes
             ]
             if name == "powersgd":
-                assert _spec(got) == ("data", "model")
+                assert _spec(got) == _spec(spec)
                 want = grads.mean(0)
                 error = np.abs(np.asarray(got)[0] - want).max() / np.abs(want).max()
                 assert error < 1e-5, error
-    # P's rows gathered over `model`: 128 rows x rank 2, 64 from each side.
     for shape in moved["float32"]:
         moved["powersgd"].remove(shape)
-    assert moved["powersgd"] == ["f32[1,128,2]"], moved
+    assert moved["powersgd"] == moves, moved
 
 
 def test_topk_at_full_density_and_32_bits_is_the_float32_mean():
@@ -408,10 +422,7 @@ def _window_run(reduction, mesh, specs, dtype, micro_batches=4, restore_at=None)
     rng = np.random.default_rng(1)
     with jax.set_mesh(mesh):
         params = jax.device_put(_window_params(dtype), specs)
-        # On Auto axes `init` reads the params' split from the placed
-        # arrays (under `jax.jit` their types do not say it).
-        auto = mesh.axis_types[0] == AxisType.Auto
-        state = opt.init(params) if auto else jax.jit(opt.init)(params)
+        state = init_as_users_do(opt.init, params)
         step = jax.jit(step)
         emitted = []
         for i in range(micro_batches):
@@ -580,6 +591,55 @@ def test_window_reduction_on_meshes(case):
         assert moves == []
         if not codec.name.startswith("topk"):
             assert [m for m in moved_arrays(compiled) if m[2] != "entry"] == []
+
+
+@pytest.mark.parametrize(
+    ("codec", "wire"),
+    [(codecs.powersgd(2), "f32[1,16,2]"), (codecs.topk(0.05, bits=4), "u16[")],
+    ids=["powersgd", "topk"],
+)
+def test_a_split_leaf_is_coded_as_its_whole_shape_says(codec, wire):
+    """A (16, 20) leaf split over `model`: 320 elements, coded (min_size
+    256), in blocks of 160 that alone would not be. `init` decided from the
+    whole leaf, and so does the window's reduction of each device's block:
+    the factors or the top-k entries go on the wire, and the residual keeps
+    what they left out. (Deciding from the blocks, PowerSGD found fewer
+    coded leaves than `init` made factors for, and top-k summed the blocks
+    in float32.)"""
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
+    opt = ga.MultiSteps(
+        optax.sgd(1.0),
+        1,
+        unreduced_axes="data",
+        window_reduction=ga.compressed_window_reduction(codec),
+    )
+    grad_fn = ga.local_value_and_grad(
+        lambda p, x: jnp.sum(jnp.tanh(x[:, :, None] * p["w"][None])), "data"
+    )
+
+    def step(params, state, x):
+        return opt.update(grad_fn(params, x)[1], state, params)
+
+    with jax.set_mesh(mesh):
+        params = {"w": jax.device_put(jnp.ones((16, 20)), P(None, "model"))}
+        state = jax.jit(opt.init)(params)
+        x = jax.device_put(
+            np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32),
+            P("data"),
+        )
+        _, state = jax.jit(step)(params, state, x)
+        compiled = jax.jit(step).lower(params, state, x).compile()
+    shapes = [
+        shape
+        for c in ga.measure.collectives(compiled, mesh)
+        if c.place != "entry"
+        for shape in c.shapes
+    ]
+    assert any(shape.startswith(wire) for shape in shapes), shapes
+    assert "f32[16,10]" not in shapes, shapes  # not the block in float32
+    residual = state.reduction_state.residual["w"]
+    assert residual.shape == (4, 16, 20)
+    assert np.abs(np.asarray(residual)).max() > 1e-3
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from helpers import compiled_reference, entry_arrays, moved_arrays
+from helpers import compiled_reference, entry_arrays, init_as_users_do, moved_arrays
 
 N = 8  # devices, workers on 1-D layouts
 
@@ -150,12 +150,7 @@ def run_stacked(opt, params, grads_seq, layout="1d-explicit", weights=None):
             specs,
         )
         stacked = ga.stack_workers(placed, "data")
-        # On Auto axes `init` reads the params' split from the placed arrays
-        # (a codec keeps it); under `jax.jit` their types do not say it.
-        auto = LAYOUTS[layout][2] == AxisType.Auto
-        state = ga.stack_workers(
-            opt.init(placed) if auto else jax.jit(opt.init)(placed), "data"
-        )
+        state = ga.stack_workers(init_as_users_do(opt.init, placed), "data")
 
         @jax.jit
         def step(params, state, grads, weight):
@@ -1463,12 +1458,7 @@ def test_a_diloco_run_resumes_from_a_host_state(layout):
     with jax.set_mesh(mesh):
         placed = {k: jax.device_put(p, specs[k]) for k, p in params.items()}
         stacked = ga.stack_workers(placed, "data")
-        # On Auto axes `init` reads the params' split from the placed arrays
-        # (a codec keeps it); under `jax.jit` their types do not say it.
-        auto = LAYOUTS[layout][2] == AxisType.Auto
-        state = ga.stack_workers(
-            opt.init(placed) if auto else jax.jit(opt.init)(placed), "data"
-        )
+        state = ga.stack_workers(init_as_users_do(opt.init, placed), "data")
         batches = [
             jax.device_put(_worker_batch(seed, workers), P("data")) for seed in range(3)
         ]

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import gradaccum_jax as ga
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._quantize import scale_and_bound
-from helpers import moved_arrays
+from helpers import init_as_users_do, moved_arrays
 
 # (mesh shape, mesh axes, the weight's spec, the bias's spec, dtype)
 LAYOUTS = {
@@ -274,8 +274,7 @@ def _window_sums(
 
     with jax.set_mesh(_mesh((4, 2), ("data", "model"), axis_type)):
         params = jax.device_put(params, specs)
-        auto = axis_type == AxisType.Auto
-        state = opt.init(params) if auto else jax.jit(opt.init)(params)
+        state = init_as_users_do(opt.init, params)
         step = jax.jit(step)
         emitted = []
         for _ in range(4):

@@ -85,12 +85,7 @@ def _auto_split(leaf: Any) -> _blocks.Split:
     sharding = leaf.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return _blocks.WHOLE
-    mesh = sharding.mesh
-    auto = {
-        name
-        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if kind == AxisType.Auto
-    }
+    auto = set(_placement.axes_typed(AxisType.Auto, mesh=sharding.mesh))
     parts = (*sharding.spec, *(None,) * (leaf.ndim - len(sharding.spec)))
     split = tuple(
         part if _names(part) and set(_names(part)) <= auto else None for part in parts
@@ -131,12 +126,10 @@ def _fits(leaf: Any, split: _blocks.Split) -> bool:
 def fits(shape: tuple[int, ...], split: _blocks.Split) -> bool:
     """Whether a leaf of ``shape`` can be split as ``split``: over Auto axes
     of the current mesh, each of a size that divides its dimension."""
-    mesh = jax.sharding.get_abstract_mesh()
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     axes = _blocks.axes_of(split)
     if not axes or len(split) > len(shape):
         return False
-    if any(types.get(axis) != AxisType.Auto for axis in axes):
+    if not set(axes) <= set(_placement.axes_typed(AxisType.Auto)):
         return False
     return all(
         size % _count(part) == 0 for size, part in zip(shape, split, strict=False)

@@ -104,6 +104,6 @@ def ternary_average_across_devices(
             CodecState(state.key, state.residual, (), state.auto_splits),
             weight,
         )
-        return means, TernaryState(*new_state[:2], state.auto_splits)
+        return means, TernaryState(new_state.key, new_state.residual, state.auto_splits)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
