@@ -120,9 +120,7 @@ def reduce_with_codec(
     leaves, treedef = jax.tree.flatten(updates)
     splits = splits or [_blocks.WHOLE] * len(leaves)
     residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
-    compressed = [
-        i for i, x in enumerate(leaves) if coded(config.codec, x, splits[i])
-    ]
+    compressed = [i for i, x in enumerate(leaves) if coded(config.codec, x, splits[i])]
     exact = [i for i in range(len(leaves)) if i not in compressed]
     results = list(leaves)
     exact_results, share, has_weight = _exact(
