@@ -1,9 +1,12 @@
 """Prints pip constraints pinning each core dependency at its declared floor.
 
 pyproject.toml is the one place the floors are written: every entry of
-[project].dependencies must read "name>=version", and becomes "name==version"
-here, so the versions CI installs cannot drift from the ones users are told
-work. Usage: python .ci/floor_pins.py [path/to/pyproject.toml] > floors.txt
+[project].dependencies must read "name>=version", or "name>=version,<version"
+where a later release is known to break the package, and becomes
+"name==version" here, so the versions CI installs cannot drift from the ones
+users are told work.
+
+Usage: python .ci/floor_pins.py [path/to/pyproject.toml] > floors.txt
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import re
 import sys
 import tomllib
 
-_FLOOR = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9A-Za-z.]*)$")
+_VERSION = r"[0-9][0-9A-Za-z.]*"
+_FLOOR = re.compile(
+    rf"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*({_VERSION})(?:\s*,\s*<\s*{_VERSION})?$"
+)
 
 
 def floor_pins(pyproject: pathlib.Path) -> list[str]:
@@ -25,8 +31,9 @@ def floor_pins(pyproject: pathlib.Path) -> list[str]:
         if match is None:
             raise SystemExit(
                 f"{pyproject}: core dependency {requirement!r} is not of the form "
-                "'name>=version'; CI installs each core dependency at its floor, "
-                "so each needs exactly one, with no other bound or marker."
+                "'name>=version' or 'name>=version,<version'; CI installs each core "
+                "dependency at its floor, so each needs exactly one, with at most "
+                "an exclusive ceiling beside it and no marker."
             )
         pins.append(f"{match[1]}=={match[2]}")
     return pins
