@@ -265,11 +265,13 @@ def main() -> None:
         f"({eight_seconds / full_seconds:.2f}x)."
     )
     # The collective table needs 8 devices, which would change the timings
-    # above: it runs in a child process with its own XLA flags.
+    # above: it runs in a child process with its own XLA flags, on the CPU
+    # (on a one-GPU machine jax would otherwise pick the GPU, one device).
     flags = os.environ.get("XLA_FLAGS", "")
     env = {
         **os.environ,
         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip(),
+        "JAX_PLATFORMS": "cpu",
     }
     forwarded = [
         f"--{name}={getattr(args, name.replace('-', '_'))}"
