@@ -21,22 +21,26 @@ devices), so the smaller error decides.
 (`diloco`, H=32, ``outer_reduction=compressed_average_across_devices(...)``,
 or the float32 mean), against a local step: the inner optimizer alone (sgd),
 no DiLoCo. Each is a whole jitted train step (the gradient of each worker's
-own 4 examples, the update, the params stepped; params and state donated)
-of a 4,740,106-parameter MLP (bench_network.py's timing model) on 8 emulated
-CPU devices, one worker each, each call waited for (one step in flight). The
-cycle step is set before each call: 0 (a call that does not sync) or 31 (the
-sync). Every round calls each step once (the calls that do not sync
-``--off-sync`` times), in an order turned each round, so that the load of
-other programs falls on all alike; the medians over ``--rounds`` rounds are
-reported, wall time and the process's CPU time (less sensitive to other
-programs on a shared machine), as ratios to the local step's. Two layouts:
-``shard_map`` (each device's params and state inside ``jax.shard_map``, as
-in pmap / shard_map chains and bench_network.py) and ``stacked`` (the workers
-stacked under ``jax.jit``: `stack_workers`, `worker_value_and_grad`).
+own 4 examples (``--batch``), the update, the params stepped; params and
+state donated) of a 4,740,106-parameter MLP (bench_network.py's timing
+model) on 8 emulated CPU devices, one worker each, each call waited for (one
+step in flight). The cycle step is set before each call: 0 (a call that does
+not sync) or 31 (the sync). Every round calls each step once (the calls that
+do not sync ``--off-sync`` times), in an order turned each round, so that
+the load of other programs falls on all alike; the medians over ``--rounds``
+rounds are reported, wall time and the process's CPU time (less sensitive to
+other programs on a shared machine), as ratios to the local step's. Two
+layouts: ``shard_map`` (each device's params and state inside
+``jax.shard_map``, as in pmap / shard_map chains and bench_network.py) and
+``stacked`` (the workers stacked under ``jax.jit``: `stack_workers`,
+`worker_value_and_grad`). ``--workers 1`` with ``JAX_PLATFORMS=cuda`` times
+one worker on a GPU: its collectives move nothing, so a sync's time there is
+the codec's arithmetic (encoding, decoding, error feedback) and the outer
+step's.
 
 Run: ``python benchmarks/bench_codecs.py [bytes|formats|steps]`` (all by
 default; ``steps`` takes minutes: ``--layouts``, ``--rounds``,
-``--off-sync``)
+``--off-sync``, ``--workers``, ``--batch``)
 """
 
 from __future__ import annotations
@@ -238,7 +242,7 @@ def train_step(tx, layout: str, mesh):
 
     split = jax.sharding.NamedSharding(mesh, P("i"))
     params = jax.device_put(
-        jax.tree.map(lambda p: np.broadcast_to(p, (DEVICES, *p.shape)), host), split
+        jax.tree.map(lambda p: np.broadcast_to(p, (mesh.size, *p.shape)), host), split
     )
     state = jax.jit(mapped(lambda p: stacked(tx.init(local(p))), P("i"), P("i")))(
         params
@@ -247,9 +251,13 @@ def train_step(tx, layout: str, mesh):
     return jax.jit(step, donate_argnums=(0, 1)), params, state
 
 
-def step_times(layout: str, rounds: int, off_sync: int) -> dict[str, dict]:
+def step_times(
+    layout: str, rounds: int, off_sync: int, workers: int, batch: int
+) -> dict[str, dict]:
     """Median ms (wall and CPU) of a local step, and per codec of a DiLoCo
-    call that does not sync and of one that does (see the docstring)."""
+    call that does not sync and of one that does (see the docstring), with
+    one worker of ``batch`` examples on each of ``workers`` devices of the
+    default backend."""
     _emulate_devices()
     import jax
     import optax
@@ -258,11 +266,11 @@ def step_times(layout: str, rounds: int, off_sync: int) -> dict[str, dict]:
     import gradaccum_jax as ga
 
     axis_type = AxisType.Explicit if layout == "stacked" else AxisType.Auto
-    mesh = jax.make_mesh((DEVICES,), ("i",), axis_types=(axis_type,))
+    mesh = jax.make_mesh((workers,), ("i",), axis_types=(axis_type,))
     rng = np.random.default_rng(1)
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
-    x = rng.normal(size=(DEVICES * STEP_BATCH, STEP_LAYERS[0])).astype(np.float32)
-    y = rng.integers(0, STEP_LAYERS[-1], DEVICES * STEP_BATCH).astype(np.int32)
+    x = rng.normal(size=(workers * batch, STEP_LAYERS[0])).astype(np.float32)
+    y = rng.integers(0, STEP_LAYERS[-1], workers * batch).astype(np.int32)
     batch = jax.device_put((x, y), split)
 
     transformations = {"local": optax.sgd(LEARNING_RATE)}
@@ -283,7 +291,7 @@ def step_times(layout: str, rounds: int, off_sync: int) -> dict[str, dict]:
         if name != "local":
             # The cycle's last step syncs (one fragment); its first does not.
             cycle_step = jax.device_put(
-                np.full(DEVICES, SYNC_EVERY - 1 if sync else 0, np.int32),
+                np.full(workers, SYNC_EVERY - 1 if sync else 0, np.int32),
                 state.cycle_step.sharding,
             )
             state = state._replace(cycle_step=cycle_step)
@@ -328,16 +336,16 @@ def steps_table(table: dict[str, dict]) -> str:
         "| outer reduction | call that does not sync (ms) | / local step "
         "| CPU time / local step's | call that syncs (ms) |",
         "|---|---:|---:|---:|---:|",
-        f"| local step (sgd alone) | {local['off-sync']:.1f} | 1 | 1 | |",
+        f"| local step (sgd alone) | {local['off-sync']:.2f} | 1 | 1 | |",
     ]
     for name, row in table.items():
         if name == "local":
             continue
         lines.append(
-            f"| {name} | {row['off-sync']:.1f} "
+            f"| {name} | {row['off-sync']:.2f} "
             f"| {row['off-sync'] / local['off-sync']:.3f} "
             f"| {row['off-sync cpu'] / local['off-sync cpu']:.3f} "
-            f"| {row['sync']:.1f} |"
+            f"| {row['sync']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -355,6 +363,15 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=8, help="steps: timed rounds")
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=DEVICES,
+        help="steps: DiLoCo workers, one a device of the default backend",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=STEP_BATCH, help="steps: examples a worker"
+    )
+    parser.add_argument(
         "--off-sync", type=int, default=3, help="steps: calls without sync a round"
     )
     args = parser.parse_args()
@@ -370,13 +387,19 @@ def main() -> None:
         for name, total in received.items():
             print(f"  {name:20s} {total:12.0f}  1/{reference / total:.1f}")
     if args.part in ("steps", "all"):
+        import jax
+
         for layout in args.layouts.split(","):
             if layout not in LAYOUTS:
                 parser.error(f"--layouts: {layout!r} is not one of {LAYOUTS}")
-            table = step_times(layout, args.rounds, args.off_sync)
+            table = step_times(
+                layout, args.rounds, args.off_sync, args.workers, args.batch
+            )
             load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
             print(
-                f"\n{layout}: DiLoCo H={SYNC_EVERY}, sgd inside, {DEVICES} workers, "
+                f"\n{layout}: DiLoCo H={SYNC_EVERY}, sgd inside, "
+                f"{args.workers} workers of {args.batch} examples "
+                f"on {jax.devices()[0].platform}, "
                 f"medians of {args.rounds} rounds (load average after: {load}):"
             )
             print(steps_table(table))
