@@ -271,7 +271,7 @@ def step_times(
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
     x = rng.normal(size=(workers * batch, STEP_LAYERS[0])).astype(np.float32)
     y = rng.integers(0, STEP_LAYERS[-1], workers * batch).astype(np.int32)
-    batch = jax.device_put((x, y), split)
+    examples = jax.device_put((x, y), split)
 
     transformations = {"local": optax.sgd(LEARNING_RATE)}
     for name, codec in step_codecs().items():
@@ -297,7 +297,9 @@ def step_times(
             state = state._replace(cycle_step=cycle_step)
         with jax.set_mesh(mesh):
             wall, cpu = time.perf_counter(), time.process_time()
-            carries[name] = jax.block_until_ready(runs[name][0](params, state, *batch))
+            carries[name] = jax.block_until_ready(
+                runs[name][0](params, state, *examples)
+            )
             return time.perf_counter() - wall, time.process_time() - cpu
 
     calls = [(name, False) for name in transformations] * off_sync
@@ -387,8 +389,16 @@ def main() -> None:
         for name, total in received.items():
             print(f"  {name:20s} {total:12.0f}  1/{reference / total:.1f}")
     if args.part in ("steps", "all"):
+        _emulate_devices()  # before jax.devices() starts the CPU backend
         import jax
 
+        if not 1 <= args.workers <= len(jax.devices()):
+            parser.error(
+                f"--workers must be in [1, {len(jax.devices())}] (the "
+                f"{jax.devices()[0].platform} devices), got {args.workers}"
+            )
+        if args.batch < 1:
+            parser.error(f"--batch must be at least 1, got {args.batch}")
         for layout in args.layouts.split(","):
             if layout not in LAYOUTS:
                 parser.error(f"--layouts: {layout!r} is not one of {LAYOUTS}")

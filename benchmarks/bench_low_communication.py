@@ -600,6 +600,8 @@ def main() -> None:
         parser.error("--steps must be a multiple of 128 (the largest H)")
     learning_rate = task.learning_rate if args.lr is None else args.lr
     window_lr = WINDOW * learning_rate if args.window_lr is None else args.window_lr
+    if not window_lr > 0:
+        parser.error(f"--window-lr must be > 0, got {window_lr:g}")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     sparse = (args.sparse_density, args.sparse_outer_lr)
     chosen = [m for m in methods(learning_rate, window_lr, args.outer_lr,
