@@ -111,6 +111,20 @@ def one_of(name: str, value: Any, accepted: tuple[str, ...]) -> str:
     return value
 
 
+def integer_in(name: str, value: Any, accepted: tuple[int, ...]) -> int:
+    """Returns ``value`` as an int, or raises if it is not one of ``accepted``
+    (a float such as ``8.0``, a string or a bool is refused)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value not in accepted
+    ):
+        *rest, last = (str(option) for option in accepted)
+        options = f"{', '.join(rest)} or {last}" if rest else last
+        raise ValueError(f"`{name}` must be {options}, got {value!r}.")
+    return int(value)
+
+
 # jax.random.key keeps 32 bits of a seed unless jax_enable_x64 is set: 2**32
 # would silently give seed 0's key, and 2**64 overflows.
 _MAX_SEED = 2**32 - 1

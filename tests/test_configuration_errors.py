@@ -341,14 +341,24 @@ TABLE: list[Row] = [
         ("nearby", "", 1, True),
         r"one of 'stochastic', 'nearest'",
     ),
-    Row("codecs.quantized", "bits", (2, 16, 32, 8.0, "8", True, None), r"8 or 4"),
+    Row(
+        "codecs.quantized",
+        "bits",
+        (2, 16, 32, 8.0, "8", True, None),
+        r"must be 8 or 4, got",
+    ),
     Row(
         "codecs.topk",
         "density",
         (0, 0.0, -0.1, 1.01, NAN, INF, "0.01", True, None),
         r"number in \(0, 1\]",
     ),
-    Row("codecs.topk", "bits", (1, 3, 16, 64, 2.0, "2", True, None), r"one of \(2, 4"),
+    Row(
+        "codecs.topk",
+        "bits",
+        (1, 3, 16, 64, 2.0, "2", True, None),
+        r"must be 2, 4, 8 or 32, got",
+    ),
     Row("codecs.powersgd", "rank", BAD_COUNTS, INTEGER_GE_1),
     Row(
         "codecs.powersgd",

@@ -21,7 +21,6 @@ all-reduce (`_packing`).
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
@@ -69,12 +68,7 @@ def quantized(*, bits: int = 8, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
     Returns:
       A `gradaccum_jax.extend.Codec`.
     """
-    if (
-        isinstance(bits, bool)
-        or not isinstance(bits, numbers.Integral)
-        or bits not in _FORMATS
-    ):
-        raise ValueError(f"`bits` must be 8 or 4, got {bits!r}.")
+    bits = _checks.integer_in("bits", bits, tuple(_FORMATS))
     min_size = _checks.nonnegative_int("min_size", min_size)
     top, units = _FORMATS[bits]
 

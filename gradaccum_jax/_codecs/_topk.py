@@ -67,12 +67,7 @@ def topk(density: float, bits: int = 2, *, min_size: int = DEFAULT_MIN_SIZE) -> 
         or not 0 < density <= 1
     ):
         raise ValueError(f"`density` must be a number in (0, 1], got {density!r}.")
-    if (
-        isinstance(bits, bool)
-        or not isinstance(bits, numbers.Integral)
-        or bits not in _BITS
-    ):
-        raise ValueError(f"`bits` must be one of {_BITS}, got {bits!r}.")
+    bits = _checks.integer_in("bits", bits, _BITS)
     min_size = _checks.nonnegative_int("min_size", min_size)
 
     def codec_sum(inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire):
