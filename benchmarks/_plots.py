@@ -165,34 +165,62 @@ def ternary_accuracy(data: dict, path: Path, where: str) -> Path:
     return _save(fig, path)
 
 
-LOW_COMMUNICATION_STYLE = {
-    "DP float32": {"color": "black", "marker": "o"},
-    "DP ternary": {"color": "gray", "marker": "s", "linestyle": "--"},
-    "DiLoCo H=8": {"color": "#9ecae1", "marker": "^"},
-    "DiLoCo H=32": {"color": "#3182bd", "marker": "^"},
-    "DiLoCo H=128": {"color": "#08306b", "marker": "^"},
-    "DiLoCo H=32 ternary": {"color": "tab:orange", "marker": "v", "linestyle": "--"},
-    "DiLoCo H=32 F=4": {"color": "tab:green", "marker": "D", "linestyle": ":"},
-    "DiLoCo H=32 int8": {"color": "tab:purple", "marker": "P", "linestyle": "-."},
-    "DiLoCo H=32 e2m1": {"color": "tab:red", "marker": "P", "linestyle": "-."},
-    "DiLoCo H=32 topk 1%": {"color": "tab:brown", "marker": "X", "linestyle": "-."},
-    "DiLoCo H=32 topk 3% 4-bit": {
-        "color": "tab:pink",
-        "marker": "X",
-        "linestyle": "-.",
-    },
-    "DiLoCo H=32 PowerSGD r4": {"color": "tab:olive", "marker": "*", "linestyle": "-."},
-    "DP topk 1%": {"color": "tab:cyan", "marker": "x", "linestyle": "--"},
-    "DP PowerSGD r4": {"color": "tab:gray", "marker": "*", "linestyle": "--"},
-}
+# bench_low_communication's methods: the marker says the codec, the line
+# the kind of method, the color tells the methods apart (every method of a
+# figure its own, the same in each panel).
+_CODEC_MARKERS = (
+    ("PowerSGD", "*"),
+    ("topk", "X"),
+    ("ternary", "v"),
+    ("int8", "P"),
+    ("e2m1", "p"),
+    ("F=4", "D"),
+)
+# tab20's dark shades, then its light ones, then tab20b's: neighbors in a
+# legend differ in hue.
+_COLORS = [
+    *plt.get_cmap("tab20").colors[::2],
+    *plt.get_cmap("tab20").colors[1::2],
+    *plt.get_cmap("tab20b").colors,
+]
+
+
+def _plain_log_ticks(ax) -> None:
+    """Tick labels of a log y axis as plain numbers (2, 3, 0.5), not 2 x
+    10^0; its minor ticks labelled too where it spans less than a decade
+    (else they crowd)."""
+    low, high = ax.get_ylim()
+    plain = matplotlib.ticker.FormatStrFormatter("%g")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(
+        plain if high < 10 * low else matplotlib.ticker.NullFormatter()
+    )
+
+
+def low_communication_styles(names: list[str]) -> dict[str, dict]:
+    """A line style per method of ``bench_low_communication.py``."""
+    styles = {}
+    colors = iter(_COLORS[i % len(_COLORS)] for i in range(len(names)))
+    for name in names:
+        marker = next((m for key, m in _CODEC_MARKERS if key in name), "o")
+        if name.startswith("DiLoCo"):
+            linestyle = "-."
+        elif "window" in name:
+            linestyle = "--"
+        else:
+            linestyle = "-"
+        color = "black" if name == "DP float32" else next(colors)
+        styles[name] = {"color": color, "marker": marker, "linestyle": linestyle}
+    return styles
 
 
 def low_communication(data: dict, path: Path, where: str) -> Path:
-    """Validation loss against examples seen and against bytes sent."""
+    """Validation loss against examples seen and against bytes received."""
     examples = data["examples"]
-    fig, (examples_ax, bytes_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (examples_ax, bytes_ax) = plt.subplots(1, 2, figsize=(15, 5.2))
+    styles = low_communication_styles(list(data["curves"]))
     for name, curve in data["curves"].items():
-        style = {"markersize": 3, **LOW_COMMUNICATION_STYLE.get(name, {})}
+        style = {"markersize": 3, "linewidth": 1.2, **styles[name]}
         examples_ax.plot(examples, curve["loss"], label=name, **style)
         # Before its first sync a method has sent nothing: no place on a log axis.
         sent = [(b / MIB, loss) for b, loss in zip(curve["bytes"], curve["loss"],
@@ -201,39 +229,47 @@ def low_communication(data: dict, path: Path, where: str) -> Path:
     unit = data.get("unit", "examples")
     examples_ax.set_xlabel(f"{unit} seen (all devices)")
     bytes_ax.set_xscale("log")
-    bytes_ax.set_xlabel("bytes all-reduced so far (MiB, compiled HLO x runs)")
+    bytes_ax.set_xlabel(
+        "bytes received so far (MiB: every collective, compiled HLO x runs)"
+    )
     for ax in (examples_ax, bytes_ax):
         ax.set_yscale("log")
+        _plain_log_ticks(ax)
         ax.set_ylabel(f"validation loss (mean of {data['seeds']} seeds)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    # One legend beside the panels: inside, it would hide the curves.
+    fig.legend(*examples_ax.get_legend_handles_labels(), loc="center right", fontsize=7)
     fig.suptitle(
         f"{data['model']}, {data['devices']} devices x {data['per_device_batch']} "
         f"{unit} per step, inner {data['inner']}\n({where})",
         fontsize=10,
     )
-    return _save(fig, path)
+    return _save(fig, path, rect=(0, 0, 1 - 2.6 / 15, 1))
 
 
 def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
     """Final validation loss against total bytes, one point per method and a
     panel per task (record of ``bench_low_communication.py``), both as
-    ratios to data parallel float32's in the same record."""
+    ratios to data parallel float32's in the same record, on log axes (a
+    diverged method sits far above the rest)."""
     fig, axes = plt.subplots(
         1, len(records), figsize=(5 * len(records) + 2.5, 4.6), squeeze=False
     )
+    names = list(dict.fromkeys(name for data in records for name in data["curves"]))
+    styles = low_communication_styles(names)
     legend = {}
     for ax, data in zip(axes[0], records, strict=True):
         base = data["curves"]["DP float32"]
         for name, curve in data["curves"].items():
-            style = LOW_COMMUNICATION_STYLE.get(name, {})
             (legend[name],) = ax.plot(
                 curve["bytes"][-1] / base["bytes"][-1],
                 curve["loss"][-1] / base["loss"][-1],
                 linestyle="none", markersize=8, label=name,
-                color=style.get("color"), marker=style.get("marker", "o"),
+                color=styles[name]["color"], marker=styles[name]["marker"],
             )  # fmt: skip
         ax.set_xscale("log")
+        ax.set_yscale("log")
+        _plain_log_ticks(ax)
         low, high = ax.get_ylim()
         legend["loss within 2 % of DP float32"] = ax.axhspan(
             low, 1.02, color="tab:green", alpha=0.08

@@ -86,7 +86,8 @@ rate, 2048 steps: 64 syncs at H=32) and writes
 Each run also draws ``low_communication_loss_bytes.png``: every method's
 final validation loss against its total bytes, both as ratios to data
 parallel float32's, one panel per task whose ``.json`` is in the plot
-directory. ``--replot`` draws it from those files alone, training nothing.
+directory. ``--replot`` draws every figure again from those files alone,
+training nothing.
 
 Run: ``python benchmarks/bench_low_communication.py [--steps 512]
 [--seeds 4] [--lr 2e-3] [--task digits|transformer] [--only "DP float32,
@@ -584,14 +585,16 @@ def main() -> None:
     parser.add_argument(
         "--replot",
         action="store_true",
-        help="only draw low_communication_loss_bytes.png from the .json files "
-        "in --plot-dir (no training)",
+        help="only redraw the figures (each task's curves and "
+        "low_communication_loss_bytes.png) from the .json files in --plot-dir "
+        "(no training)",
     )
     _headline.add_argument(parser)
     args = parser.parse_args()
     where = f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores"
     if args.replot:
-        print(f"wrote {draw_loss_against_bytes(Path(args.plot_dir), where)}")
+        for path in redraw(Path(args.plot_dir), where):
+            print(f"wrote {path}")
         return
     start = time.time()
     task = TASKS[args.task]()
@@ -663,17 +666,38 @@ def write_figures(
     ]
 
 
+def task_stems() -> list[str]:
+    """The stem of each task's figures in the plot directory."""
+    return [
+        "low_communication",
+        *(f"low_communication_{t}" for t in TASKS if t != "digits"),
+    ]
+
+
+def redraw(out: Path, where: str) -> list[Path]:
+    """Every figure drawn again from the ``.json`` files in ``out``: each
+    task's ``<stem>.png`` and ``low_communication_loss_bytes.png``."""
+    import _plots
+
+    drawn = [
+        _plots.low_communication(
+            json.loads((out / f"{stem}.json").read_text()), out / f"{stem}.png", where
+        )
+        for stem in task_stems()
+        if (out / f"{stem}.json").exists()
+    ]
+    return [*drawn, draw_loss_against_bytes(out, where)]
+
+
 def draw_loss_against_bytes(out: Path, where: str) -> Path:
     """``low_communication_loss_bytes.png`` from the tasks' figures in ``out``
     (each task's latest run; a task never run, or run without the ``DP
     float32`` baseline, has no panel)."""
     import _plots
 
-    stems = [
-        "low_communication",
-        *(f"low_communication_{t}" for t in TASKS if t != "digits"),
+    found = [
+        out / f"{stem}.json" for stem in task_stems() if (out / f"{stem}.json").exists()
     ]
-    found = [out / f"{stem}.json" for stem in stems if (out / f"{stem}.json").exists()]
     records = [
         record
         for record in (json.loads(path.read_text()) for path in found)
