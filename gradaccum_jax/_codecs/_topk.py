@@ -72,10 +72,11 @@ def topk(density: float, bits: int = 2, *, min_size: int = DEFAULT_MIN_SIZE) -> 
 
     def codec_sum(inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire):
         del key
-        payloads = [_encode(x, density, bits) for x in inputs]
+        encoded = [_encode(x, density, bits) for x in inputs]
+        payloads = [(entries, scale) for entries, scale, _ in encoded]
         sent = [
-            _decode(jax.tree.map(lambda a: a[None], e), s[None], x, density, bits)
-            for (e, s), x in zip(payloads, inputs, strict=True)
+            _sent(x, index, scale, density, bits)
+            for (_, scale, index), x in zip(encoded, inputs, strict=True)
         ]
         gathered = {
             j: jax.lax.all_gather(p, wire.axis)
@@ -138,10 +139,19 @@ def _gathers(x: jax.Array, density: float, bits: int, num_devices: int) -> bool:
     return gather < 2 * (num_devices - 1) / num_devices * 4 * x.size
 
 
-def _encode(x: jax.Array, density: float, bits: int) -> tuple[Any, jax.Array]:
-    """This device's payload: ``(entries, scales)``, entries per chunk."""
-    chunks, chunk, k = _layout(x.size, density)
-    flat = jnp.pad(x.reshape(-1), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
+def _chunked(x: jax.Array, density: float) -> jax.Array:
+    """``x`` flat, padded with zeros to whole chunks, as rows of a chunk."""
+    chunks, chunk, _ = _layout(x.size, density)
+    return jnp.pad(x.reshape(-1), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
+
+
+def _encode(
+    x: jax.Array, density: float, bits: int
+) -> tuple[Any, jax.Array, jax.Array]:
+    """This device's payload, ``entries`` and ``scales`` per chunk, and the
+    int32 indices of the entries it sent in each chunk."""
+    _, chunk, k = _layout(x.size, density)
+    flat = _chunked(x, density)
     index = _top_k_indices(jnp.abs(flat), k)
     values = jnp.take_along_axis(flat, index, axis=1)
     scale = jnp.max(jnp.abs(values), axis=1)
@@ -150,10 +160,9 @@ def _encode(x: jax.Array, density: float, bits: int) -> tuple[Any, jax.Array]:
     scale = jnp.where(jnp.all(jnp.isfinite(flat), axis=1), scale, jnp.inf)
     dtype = _entry_dtype(chunk, bits)
     if bits == 32:
-        return (index.astype(dtype), values), scale
+        return (index.astype(dtype), values), scale, index
     levels = 2 ** (bits - 1)
-    safe = jnp.where((scale > 0) & jnp.isfinite(scale), scale, 1.0)[:, None]
-    magnitude = jnp.clip(jnp.round(jnp.abs(values) / safe * levels), 1, levels)
+    magnitude = _magnitude(values, scale, levels)
     code = (magnitude.astype(jnp.uint32) - 1) | jnp.where(values < 0, levels, 0).astype(
         jnp.uint32
     )
@@ -161,7 +170,49 @@ def _encode(x: jax.Array, density: float, bits: int) -> tuple[Any, jax.Array]:
     # Built in the entry's own dtype: a narrowing convert after the
     # packing is moved by XLA after the all-gather, which then carries
     # uint32 words (twice the bytes of uint16 entries).
-    return index.astype(dtype) | (code.astype(dtype) << index_bits), scale
+    return index.astype(dtype) | (code.astype(dtype) << index_bits), scale, index
+
+
+def _magnitude(values: jax.Array, scale: jax.Array, levels: int) -> jax.Array:
+    """Each value's magnitude in levels of its chunk's ``scale``, in [1,
+    ``levels``] (rounded to nearest), as floats."""
+    safe = jnp.where((scale > 0) & jnp.isfinite(scale), scale, 1.0)[:, None]
+    return jnp.clip(jnp.round(jnp.abs(values) / safe * levels), 1, levels)
+
+
+def _value(
+    negative: jax.Array, magnitude: jax.Array, scale: jax.Array, levels: int
+) -> jax.Array:
+    """The value a code stands for: its sign, magnitude and chunk's scale."""
+    sign = jnp.where(negative, -1.0, 1.0)
+    return sign * (magnitude / levels) * scale[..., None]
+
+
+def _sent(
+    x: jax.Array, index: jax.Array, scale: jax.Array, density: float, bits: int
+) -> jax.Array:
+    """This device's payload as the others decode it, shaped like ``x``.
+
+    Written as a select over ``x``'s chunks (the decoded value where an
+    entry was sent, else 0), not as a scatter into zeros: the caller's
+    residual ``x - sent`` then fuses into one pass with no float buffer
+    the size of the leaf, only the mask of sent entries (a byte an
+    element). Each sent value is the float `_decode` adds up.
+    """
+    chunks, chunk, _ = _layout(x.size, density)
+    flat = _chunked(x, density)
+    rows = jnp.arange(chunks)[:, None]
+    mask = (
+        jnp.zeros((chunks, chunk), jnp.bool_)
+        .at[rows, index]
+        .set(True, unique_indices=True)
+    )
+    if bits == 32:
+        decoded = flat
+    else:
+        levels = 2 ** (bits - 1)
+        decoded = _value(flat < 0, _magnitude(flat, scale, levels), scale, levels)
+    return jnp.where(mask, decoded, 0.0).reshape(-1)[: x.size].reshape(x.shape)
 
 
 def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
@@ -193,9 +244,8 @@ def _decode(
         words = entries.astype(jnp.uint32)
         index = (words & ((1 << index_bits) - 1)).astype(jnp.int32)
         code = words >> index_bits
-        magnitude = ((code & (levels - 1)) + 1).astype(jnp.float32) / levels
-        sign = jnp.where(code & levels, -1.0, 1.0)
-        values = sign * magnitude * scales[..., None]
+        magnitude = ((code & (levels - 1)) + 1).astype(jnp.float32)
+        values = _value((code & levels) != 0, magnitude, scales, levels)
     rows = jnp.arange(chunks)[:, None]
     total = jnp.zeros((chunks, chunk), jnp.float32)
     # One scatter-add per device, in order, into the sum itself: a device's
