@@ -34,7 +34,10 @@ data_axis=)`` (k micro-batches in one step); the ternary window
 (``window_reduction=ternary_window_reduction``); ``diloco`` with float32 and
 ternary outer gradients, 1 and 4 fragments (blocks of the scanned layers,
 ``fragment_axis``), on stacked workers (over ``dcn`` where the mesh has
-it, else ``data``). On request (``--paths``): the window fed by
+it, else ``data``); the window and DiLoCo (1 fragment) with a codec of
+`gradaccum_jax.codecs` (``compressed_window_reduction``,
+``compressed_average_across_devices``): top-k at 1 % in 2 bits, E2M1,
+PowerSGD of rank 4. On request (``--paths``): the window fed by
 ``jax.grad`` of reduced params with the noise scale tracked, or with the
 ternary window reduction.
 
@@ -51,9 +54,9 @@ Output: a printed table, ``benchmarks/plots/scale.json`` and
 ``benchmarks/plots/scale.png``.
 
 Run: ``python benchmarks/bench_scale.py [--skip-70b] [--only NAME ...]
-[--paths PATH ...]``: 200 s (2.1 minutes of CPU time) on 2 CPU cores
-shared with other jobs, up to 5.5 minutes under heavier load; the 65B
-configuration's 11 compiles are about a fifth of it.
+[--paths PATH ...]``: 350 s (7.8 minutes of CPU time) on 2 CPU cores
+shared with other jobs; the 65B configuration's 17 compiles are about a
+fifth of it.
 """
 
 from __future__ import annotations
@@ -84,7 +87,20 @@ PATHS = (
     "diloco float32, F=4",
     "diloco ternary, F=1",
     "diloco ternary, F=4",
+    "top-k window",
+    "E2M1 window",
+    "PowerSGD window",
+    "diloco top-k, F=1",
+    "diloco E2M1, F=1",
+    "diloco PowerSGD, F=1",
 )
+# The codecs of the "<codec> window" and "diloco <codec>" paths: top-k at
+# SparseLoCo's 1 % in 2 bits, E2M1 (`quantized(bits=4)`), PowerSGD of rank 4.
+CODECS = {
+    "top-k": ("topk", (0.01,), {}),
+    "E2M1": ("quantized", (), {"bits": 4}),
+    "PowerSGD": ("powersgd", (4,), {}),
+}
 # Run only when named (--paths): the once-per-window path fed by jax.grad of
 # reduced params with the parts that read each device's terms, to see what
 # they add to it (the per-device noise-scale norms, the ternary codes).
@@ -269,8 +285,21 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
         )
     if path == "ga.MultiSteps + jax.grad":
         return (*accumulating(ga.MultiSteps(adam, K), jax.grad(loss)), "micro", False)
-    if path in ("once per window (local_value_and_grad)", "ternary window"):
-        reduction = ga.ternary_window_reduction(0) if path == "ternary window" else None
+
+    def codec(name):
+        function, args, kwargs = CODECS[name]
+        return getattr(ga.codecs, function)(*args, **kwargs)
+
+    window_codec = path.removesuffix(" window")
+    if path in ("once per window (local_value_and_grad)", "ternary window") or (
+        window_codec in CODECS
+    ):
+        if path == "ternary window":
+            reduction = ga.ternary_window_reduction(0)
+        elif window_codec in CODECS:
+            reduction = ga.compressed_window_reduction(codec(window_codec))
+        else:
+            reduction = None
         tx = ga.MultiSteps(
             adam, K, unreduced_axes=data_axis, window_reduction=reduction
         )
@@ -315,10 +344,13 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
         grad_fn = ga.microbatched_value_and_grad(loss, K, data_axis=data_axis)
         return (*accumulating(adam, lambda *a: grad_fn(*a)[1]), "window", False)
     if path.startswith("diloco"):
-        ternary = "ternary" in path
-        reduction = (
-            ga.ternary_average_across_devices(workers_axis, 0) if ternary else None
-        )
+        outer = path.removeprefix("diloco ").split(",")[0]
+        if outer == "ternary":
+            reduction = ga.ternary_average_across_devices(workers_axis, 0)
+        elif outer in CODECS:
+            reduction = ga.compressed_average_across_devices(workers_axis, codec(outer))
+        else:
+            reduction = None
         tx = ga.diloco(
             adam,
             K,
