@@ -290,18 +290,31 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
         function, args, kwargs = CODECS[name]
         return getattr(ga.codecs, function)(*args, **kwargs)
 
-    window_codec = path.removesuffix(" window")
-    if path in ("once per window (local_value_and_grad)", "ternary window") or (
-        window_codec in CODECS
-    ):
-        if path == "ternary window":
-            reduction = ga.ternary_window_reduction(0)
-        elif window_codec in CODECS:
-            reduction = ga.compressed_window_reduction(codec(window_codec))
-        else:
-            reduction = None
+    def coded_window(name):
+        return lambda: ga.compressed_window_reduction(codec(name))
+
+    def coded_mean(name):
+        return lambda: ga.compressed_average_across_devices(workers_axis, codec(name))
+
+    # The once-per-window paths fed by local_value_and_grad, by the window's
+    # reduction (None: the float32 mean).
+    window_reductions = {
+        "once per window (local_value_and_grad)": lambda: None,
+        "ternary window": lambda: ga.ternary_window_reduction(0),
+        **{f"{name} window": coded_window(name) for name in CODECS},
+    }
+    # DiLoCo's outer reductions, by the word after "diloco" in the path.
+    outer_reductions = {
+        "float32": lambda: None,
+        "ternary": lambda: ga.ternary_average_across_devices(workers_axis, 0),
+        **{name: coded_mean(name) for name in CODECS},
+    }
+    if path in window_reductions:
         tx = ga.MultiSteps(
-            adam, K, unreduced_axes=data_axis, window_reduction=reduction
+            adam,
+            K,
+            unreduced_axes=data_axis,
+            window_reduction=window_reductions[path](),
         )
         grad_fn = ga.local_value_and_grad(loss, data_axis)
         return (*accumulating(tx, lambda *a: grad_fn(*a)[1]), "micro", False)
@@ -344,13 +357,7 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
         grad_fn = ga.microbatched_value_and_grad(loss, K, data_axis=data_axis)
         return (*accumulating(adam, lambda *a: grad_fn(*a)[1]), "window", False)
     if path.startswith("diloco"):
-        outer = path.removeprefix("diloco ").split(",")[0]
-        if outer == "ternary":
-            reduction = ga.ternary_average_across_devices(workers_axis, 0)
-        elif outer in CODECS:
-            reduction = ga.compressed_average_across_devices(workers_axis, codec(outer))
-        else:
-            reduction = None
+        reduction = outer_reductions[path.removeprefix("diloco ").split(",")[0]]()
         tx = ga.diloco(
             adam,
             K,
