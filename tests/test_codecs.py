@@ -755,6 +755,18 @@ def test_topk_sends_the_largest_entries_of_each_chunk_in_two_bits():
         np.testing.assert_allclose(values[top], expected, rtol=1e-6)
 
 
+def test_topk_searches_a_large_leaf_a_batch_of_chunks_at_a_time():
+    """300 chunks: the TopK reads the magnitudes of 256 chunks at a time,
+    the last batch (chunks 44-299) overlapping the first; every chunk
+    still sends its own 41 largest entries, exactly."""
+    x = np.random.default_rng(9).standard_normal((300, 4096)).astype(np.float32)
+    got = _one_device_mean(codecs.topk(0.01, bits=32), x)
+    expected = np.zeros_like(x)
+    top = np.argsort(-np.abs(x), axis=1)[:, :41]
+    np.put_along_axis(expected, top, np.take_along_axis(x, top, axis=1), axis=1)
+    np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("bits", [2, 32])
 def test_topk_keeps_its_residual_without_a_float_copy_of_the_leaf(bits):
     """The entries a device sent are a select over its input, fused into its

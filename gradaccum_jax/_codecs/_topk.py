@@ -152,7 +152,7 @@ def _encode(
     int32 indices of the entries it sent in each chunk."""
     _, chunk, k = _layout(x.size, density)
     flat = _chunked(x, density)
-    index = _top_k_indices(jnp.abs(flat), k)
+    index = _top_k_indices(flat, k)
     values = jnp.take_along_axis(flat, index, axis=1)
     scale = jnp.max(jnp.abs(values), axis=1)
     # A chunk holding a NaN or an infinity gets an infinite scale, which
@@ -215,8 +215,9 @@ def _sent(
     return jnp.where(mask, decoded, 0.0).reshape(-1)[: x.size].reshape(x.shape)
 
 
-def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
-    """``jax.lax.top_k(x, k)``'s indices, computed where ``x`` lies.
+def _top_k_indices(flat: jax.Array, k: int) -> jax.Array:
+    """The indices of each chunk's (row's) ``k`` entries of largest
+    magnitude, computed where ``flat`` lies.
 
     XLA's partitioner cannot split a TopK over a sharded batch dimension:
     it gathers the operand whole to every device first (in ``diloco``'s
@@ -225,7 +226,34 @@ def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
     ``model`` 4). A sort would be split, but is some 40 times slower than
     the TopK on CPU.
     """
-    return _placement.on_each_device(lambda x: jax.lax.top_k(x, k)[1], x)
+    return _placement.on_each_device(lambda x: _rows_top_k(x, k), flat)
+
+
+# Chunks whose magnitudes one TopK reads at a time: 4 MiB of float32 at
+# chunks of 4096.
+_TOP_K_ROWS = 256
+
+
+def _rows_top_k(flat: jax.Array, k: int) -> jax.Array:
+    """`_top_k_indices` on one device, `_TOP_K_ROWS` chunks at a time.
+
+    The TopK reads its operand from memory: the magnitudes of a whole leaf
+    would be a float32 buffer the leaf's size, those of a few chunks are
+    a few MiB. The last batch starts early enough to end at the last chunk
+    (it recomputes a few rows, to the same indices).
+    """
+    chunks = flat.shape[0]
+    if chunks <= _TOP_K_ROWS:
+        return jax.lax.top_k(jnp.abs(flat), k)[1]
+
+    def batch(i, index):
+        start = jnp.minimum(i * _TOP_K_ROWS, chunks - _TOP_K_ROWS)
+        rows = jax.lax.dynamic_slice_in_dim(flat, start, _TOP_K_ROWS)
+        top = jax.lax.top_k(jnp.abs(rows), k)[1]
+        return jax.lax.dynamic_update_slice_in_dim(index, top, start, 0)
+
+    batches = -(-chunks // _TOP_K_ROWS)
+    return jax.lax.fori_loop(0, batches, batch, jnp.zeros((chunks, k), jnp.int32))
 
 
 def _decode(
