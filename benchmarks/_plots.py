@@ -7,6 +7,7 @@ machine goes in the title, since absolute figures depend on it.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import matplotlib
@@ -200,7 +201,7 @@ def _plain_log_ticks(ax) -> None:
 def low_communication_styles(names: list[str]) -> dict[str, dict]:
     """A line style per method of ``bench_low_communication.py``."""
     styles = {}
-    colors = iter(_COLORS[i % len(_COLORS)] for i in range(len(names)))
+    colors = itertools.cycle(_COLORS)
     for name in names:
         marker = next((m for key, m in _CODEC_MARKERS if key in name), "o")
         if name.startswith("DiLoCo"):

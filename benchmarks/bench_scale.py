@@ -96,10 +96,12 @@ PATHS = (
 )
 # The codecs of the "<codec> window" and "diloco <codec>" paths: top-k at
 # SparseLoCo's 1 % in 2 bits, E2M1 (`quantized(bits=4)`), PowerSGD of rank 4.
+# Each is given `gradaccum_jax.codecs`, imported in the worker (after
+# XLA_FLAGS is set).
 CODECS = {
-    "top-k": ("topk", (0.01,), {}),
-    "E2M1": ("quantized", (), {"bits": 4}),
-    "PowerSGD": ("powersgd", (4,), {}),
+    "top-k": lambda codecs: codecs.topk(0.01),
+    "E2M1": lambda codecs: codecs.quantized(bits=4),
+    "PowerSGD": lambda codecs: codecs.powersgd(4),
 }
 # Run only when named (--paths): the once-per-window path fed by jax.grad of
 # reduced params with the parts that read each device's terms, to see what
@@ -287,8 +289,7 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
         return (*accumulating(ga.MultiSteps(adam, K), jax.grad(loss)), "micro", False)
 
     def codec(name):
-        function, args, kwargs = CODECS[name]
-        return getattr(ga.codecs, function)(*args, **kwargs)
+        return CODECS[name](ga.codecs)
 
     def coded_window(name):
         return lambda: ga.compressed_window_reduction(codec(name))

@@ -865,6 +865,31 @@ def test_a_tensor_parallel_leaf_is_coded_where_it_lies_in_a_shard_map(codec):
         np.testing.assert_array_equal(results["tp"], results["replicated"])
 
 
+def test_topk_searches_a_tensor_parallel_block_in_batches_where_it_lies(
+    monkeypatch,
+):
+    """A leaf split over `model` on a 2-D Explicit mesh: each device's block
+    of 64 chunks searched 24 chunks at a time (batches from 0, 24 and 40)
+    sends what one search of all 64 sends, bitwise, and keeps its split."""
+    from gradaccum_jax._codecs import _topk
+
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
+    grads = np.random.default_rng(10).standard_normal((4, 64, 8192))
+    spec = P("data", None, "model")
+    whole, batched = _topk._TOP_K_ROWS, 24
+    results = {}
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(grads.astype(np.float32), spec)
+        for rows in (whole, batched):
+            monkeypatch.setattr(_topk, "_TOP_K_ROWS", rows)
+            tx = ga.compressed_average_across_devices("data", codecs.topk(0.01))
+            results[rows] = _row_mean_step(tx)(placed)
+            assert _spec(results[rows]) == _spec(spec)
+    np.testing.assert_array_equal(results[batched], results[whole])
+    # 41 of each chunk of 4096 from each of the 4 rows, at most.
+    assert 0 < np.count_nonzero(np.asarray(results[batched])[0]) <= 4 * 41 * 128
+
+
 def test_powersgd_warmup_on_a_tensor_parallel_leaf_is_the_float32_mean():
     """A warm-up call sums each device's block where it lies; a NaN in one
     block makes the whole leaf NaN, on the blocks of the other `model`
