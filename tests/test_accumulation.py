@@ -418,7 +418,8 @@ def test_eager_updates_compile_nothing_after_the_first_window(build, caplog):
 def test_donated_train_step_needs_no_parameter_sized_temporaries(wrap_grads):
     """The updates are computed into the window's own buffers (or the dead
     gradients), so the step's temporaries stay far below one parameter-sized
-    buffer; optax.MultiSteps with adam needs about three."""
+    buffer; optax.MultiSteps with adam needs about three on XLA:CPU (XLA:GPU
+    keeps none for either: 288 bytes for optax's on an H100)."""
     params = {"w": jnp.zeros((1 << 16,)), "b": jnp.zeros((1 << 10,))}
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
 
@@ -432,7 +433,8 @@ def test_donated_train_step_needs_no_parameter_sized_temporaries(wrap_grads):
     ours = temp_bytes(MultiSteps(optax.adam(1e-3), 4).gradient_transformation())
     theirs = temp_bytes(optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation())
     assert ours < 0.05 * param_bytes
-    assert theirs > 2 * param_bytes
+    if jax.default_backend() == "cpu":
+        assert theirs > 2 * param_bytes
 
 
 # --- one vocabulary, one object -----------------------------------------------
