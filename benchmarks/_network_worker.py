@@ -441,6 +441,24 @@ def train_digits(
     }
 
 
+def join(coordinator: str, num_processes: int, process_id: int, timeout: int) -> None:
+    """This process joins the others: one CPU device each, gloo collectives
+    (``timeout`` seconds to start, and to miss a heartbeat or shut down)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=[0],
+        initialization_timeout=timeout,
+        heartbeat_timeout_seconds=timeout,
+        shutdown_timeout_seconds=timeout,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--process-id", type=int, required=True)
@@ -472,17 +490,7 @@ def main() -> None:
 
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        local_device_ids=[0],
-        initialization_timeout=args.timeout,
-        heartbeat_timeout_seconds=args.timeout,
-        shutdown_timeout_seconds=args.timeout,
-    )
+    join(args.coordinator, args.num_processes, args.process_id, args.timeout)
     devices = jax.devices()
     print(
         f"process {jax.process_index()}/{jax.process_count()}: "

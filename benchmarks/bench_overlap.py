@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import _network_worker
 import bench_network as network
 
 SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
@@ -57,13 +58,8 @@ def worker(args: argparse.Namespace) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        num_processes=network.NUM_PROCESSES,
-        process_id=args.process_id,
-        local_device_ids=[0],
+    _network_worker.join(
+        args.coordinator, network.NUM_PROCESSES, args.process_id, int(args.timeout)
     )
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
     devices = len(jax.devices())
@@ -143,6 +139,7 @@ def measure(namespace: network.Namespace, args, flags: str) -> dict[str, float]:
         "ip", "netns", "exec", namespace.name, sys.executable, __file__,
         "--worker", f"--coordinator={coordinator}", f"--kb={args.kb}",
         f"--products={args.products}", f"--repeats={args.repeats}",
+        f"--timeout={args.timeout}",
     ]  # fmt: skip
     processes = [
         subprocess.Popen(
