@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import _network_worker
 import bench_network as network
@@ -177,7 +178,9 @@ def main() -> None:
         worker(args)
         return
     network.preflight()
-    namespace = network.Namespace(f"overlap{Path(__file__).stat().st_ino % 10000}")
+    # SIGTERM unwinds like Ctrl-C, through `finally`: the namespace goes.
+    signal.signal(signal.SIGTERM, network.interrupt)
+    namespace = network.Namespace(f"gaj-overlap-{os.getpid()}")
     try:
         qdisc = namespace.shape(args.rate)
         schedulers = {"default scheduler": "", "scheduler flag": SCHEDULER_FLAG}
