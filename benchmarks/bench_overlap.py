@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     def in_loop(x):
         def body(carry):
             trips, y = carry
-            return trips - 1, gather(y[0]).reshape(devices, -1)
+            return trips - 1, gather(y[0])
 
         # The carry holds the gathered shape; one trip gathers this row.
         start = jnp.broadcast_to(x, (devices, x.size))

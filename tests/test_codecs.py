@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax import codecs
-from helpers import init_as_users_do, moved_arrays
+from helpers import compiled_reference, init_as_users_do, moved_arrays
 
 N = 8
 
@@ -777,6 +777,28 @@ def test_topk_keeps_its_residual_without_a_float_copy_of_the_leaf(bits):
     tx = ga.compressed_average_across_devices("i", codecs.topk(0.01, bits=bits))
     compiled = _compiled_mean(tx, shapes)
     assert compiled.memory_analysis().temp_size_in_bytes < 1.75 * 4 * 512 * 2048
+
+
+def test_topk_at_scale_gathers_only_its_payloads_and_searches_in_batches(tmp_path):
+    """The 0.81B-param reference of benchmarks/bench_scale.py (24 scanned
+    layers, tensor parallel over `model`, `data` 8 x `model` 8, compiled in
+    a process of its own): a top-k window and top-k DiLoCo gather nothing
+    but their payloads over `data` (8 devices' payloads, 2 % of a device's
+    float32 share of the params; a gathered param block would be 1/8 of it
+    or more), and their temporaries stay under what a search
+    of each device's whole block at once held (1.689 and 1.314 GiB; 1.463
+    and 1.270 with the search 256 chunks at a time)."""
+    paths = {"top-k window": 1.55, "diloco top-k, F=1": 1.29}
+    results = compiled_reference(tmp_path, *paths)
+    share = 4 * 805_306_368 / 8  # float32 params over `model` 8, bytes
+    for path, limit in paths.items():
+        row = results[path]
+        assert "error" not in row, row
+        gathers = [c for c in row["collectives"] if c["kind"] == "all-gather"]
+        assert gathers, path
+        assert {tuple(c["axes"]) for c in gathers} == {("data",)}, path
+        assert max(c["nbytes"] for c in gathers) < 0.05 * share, path
+        assert row["temp_bytes"] < limit * 2**30, (path, row["temp_bytes"] / 2**30)
 
 
 def test_topk_adds_the_gathered_payloads_in_the_devices_order():
