@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax import _checks, _tree
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least
 from gradaccum_jax._ternary import _blocks
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 
@@ -161,7 +161,7 @@ def powersgd(
         )
 
     def compresses(shape: tuple[int, ...]) -> bool:
-        if len(shape) < 2 or int(np.prod(shape, dtype=np.int64)) < max(min_size, 1):
+        if len(shape) < 2 or not at_least(min_size)(shape):
             return False
         _, rows, columns = matrices(shape, scanned)
         return rank * (rows + columns) < rows * columns

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import optax
 
 from gradaccum_jax._ternary import _blocks, _random
@@ -106,6 +107,18 @@ class Codec(NamedTuple):
 
     def __repr__(self) -> str:
         return self.name
+
+
+def at_least(min_size: int) -> Callable[[tuple[int, ...]], bool]:
+    """`Codec.compresses` for a codec of every leaf of at least ``min_size``
+    elements (and of at least one)."""
+    return lambda shape: int(np.prod(shape, dtype=np.int64)) >= max(min_size, 1)
+
+
+def no_state(shapes: list[jax.ShapeDtypeStruct], key: jax.Array) -> tuple:
+    """`Codec.init` for a codec that keeps no state of its own."""
+    del shapes, key
+    return ()
 
 
 class CodecState(NamedTuple):

@@ -25,11 +25,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gradaccum_jax import _checks
 from gradaccum_jax._codecs import _packing
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least, no_state
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 
@@ -93,8 +92,8 @@ def quantized(*, bits: int = 8, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
 
     return Codec(
         f"quantized(bits={bits}, min_size={min_size})",
-        lambda shape: int(np.prod(shape, dtype=np.int64)) >= max(min_size, 1),
-        lambda shapes, key: (),
+        at_least(min_size),
+        no_state,
         codec_sum,
     )
 

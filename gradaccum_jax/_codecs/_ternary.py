@@ -10,7 +10,7 @@ import numpy as np
 
 from gradaccum_jax import _checks
 from gradaccum_jax._codecs import _packing
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least, no_state
 from gradaccum_jax._ternary import _blocks, _random
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 from gradaccum_jax._ternary._quantize import (
@@ -115,8 +115,8 @@ def ternary_codec(
 
     return Codec(
         name,
-        lambda shape: int(np.prod(shape, dtype=np.int64)) >= max(min_size, 1),
-        lambda shapes, key: (),
+        at_least(min_size),
+        no_state,
         codec_sum,
         reports_sq_excess=True,
         # Unclipped TernGrad sends its input in expectation: nothing to keep.

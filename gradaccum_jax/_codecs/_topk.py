@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax import _checks, _placement
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least, no_state
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 
 # Elements per chunk (SparseLoCo's); 12 index bits.
@@ -106,8 +106,8 @@ def topk(density: float, bits: int = 2, *, min_size: int = DEFAULT_MIN_SIZE) -> 
 
     return Codec(
         f"topk(density={density}, bits={bits}, min_size={min_size})",
-        lambda shape: int(np.prod(shape, dtype=np.int64)) >= max(min_size, 1),
-        lambda shapes, key: (),
+        at_least(min_size),
+        no_state,
         codec_sum,
     )
 
