@@ -220,6 +220,27 @@ def test_unscanned_powersgd_reads_a_multi_axis_kernel_as_one_matrix():
 
 
 @pytest.mark.parametrize(
+    ("build", "codes_vectors"),
+    [
+        (lambda min_size: codecs.ternary(min_size=min_size), True),
+        (lambda min_size: codecs.quantized(bits=4, min_size=min_size), True),
+        (lambda min_size: codecs.topk(0.01, min_size=min_size), True),
+        (lambda min_size: codecs.powersgd(1, min_size=min_size), False),
+    ],
+    ids=["ternary", "quantized", "topk", "powersgd"],
+)
+def test_a_codec_codes_leaves_from_min_size_elements(build, codes_vectors):
+    """The ternary functions' rule: a leaf of ``min_size`` elements or more
+    is coded, a smaller one summed in float32, an empty one never coded.
+    PowerSGD codes matrices only (where a rank-1 product is smaller)."""
+    assert build(256).compresses((16, 16))
+    assert not build(256).compresses((15, 17))  # 255 elements
+    assert build(0).compresses((2, 8))
+    assert not build(0).compresses((0, 4))
+    assert build(1).compresses((64,)) is codes_vectors
+
+
+@pytest.mark.parametrize(
     ("shape", "scanned", "q_shape"),
     [((8, 16, 64), False, (1, 64, 2)), ((3, 8, 16, 64), True, (3, 64, 2))],
     ids=["unscanned", "scanned"],

@@ -12,15 +12,16 @@ state's random counter. A codec only sums what it is given.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 import optax
 
 from gradaccum_jax._ternary import _blocks, _random
 from gradaccum_jax._ternary._blocks import AutoSplits
+from gradaccum_jax._ternary._leaves import shape_is_compressed
 
 
 class Wire(NamedTuple):
@@ -111,8 +112,8 @@ class Codec(NamedTuple):
 
 def at_least(min_size: int) -> Callable[[tuple[int, ...]], bool]:
     """`Codec.compresses` for a codec of every leaf of at least ``min_size``
-    elements (and of at least one)."""
-    return lambda shape: int(np.prod(shape, dtype=np.int64)) >= max(min_size, 1)
+    elements (and of at least one), the ternary functions' rule."""
+    return functools.partial(shape_is_compressed, min_size=min_size)
 
 
 def no_state(shapes: list[jax.ShapeDtypeStruct], key: jax.Array) -> tuple:

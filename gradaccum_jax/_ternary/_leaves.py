@@ -131,4 +131,11 @@ def check_updates(
 
 def is_compressed(leaf: Any, min_size: int) -> bool:
     """Whether a leaf is ternarized (static: from its shape only)."""
-    return np.size(leaf) >= max(min_size, 1)
+    return shape_is_compressed(np.shape(leaf), min_size)
+
+
+def shape_is_compressed(shape: tuple[int, ...], min_size: int) -> bool:
+    """Whether a leaf of ``shape`` is compressed: it has at least
+    ``min_size`` elements, and at least one (the ``min_size`` rule of the
+    ternary functions and of every codec)."""
+    return int(np.prod(shape, dtype=np.int64)) >= max(min_size, 1)
