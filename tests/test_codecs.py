@@ -11,6 +11,7 @@ params, float32 and bfloat16, pairwise; a checkpoint taken mid-window.
 from __future__ import annotations
 
 import functools
+import re
 
 import chex
 import jax
@@ -370,6 +371,47 @@ def test_ternary_average_across_devices_is_the_ternary_codec():
     new, new_state = step(plugged.update)(grads, _replicate(plugged.init(_params())))
     chex.assert_trees_all_equal(old, new)
     chex.assert_trees_all_equal(old_state.residual, new_state.residual)
+
+
+COMPLEX_CASES = [
+    codecs.ternary(),
+    codecs.quantized(bits=4),
+    codecs.topk(0.02),
+    codecs.powersgd(2),
+]
+
+
+@pytest.mark.parametrize(
+    "codec", COMPLEX_CASES, ids=["ternary", "e2m1", "topk", "powersgd"]
+)
+def test_complex_leaves_are_rejected_naming_the_leaf_and_the_codec(codec):
+    """A codec codes float32 inputs: a complex leaf, coded or not, would lose
+    its imaginary part. Both places a codec plugs in say which leaf and which
+    codec, at init and (the mean) at update."""
+    complex_params = {**_params(), "b": np.zeros(SHAPES["b"], np.complex64)}
+    message = (
+        rf"params leaf \['b'\] has dtype complex64: the codec "
+        rf"{re.escape(codec.name)} takes real floating-point leaves only"
+    )
+    tx = ga.compressed_average_across_devices("i", codec)
+    with pytest.raises(
+        ValueError, match=f"compressed_average_across_devices: {message}"
+    ):
+        tx.init(complex_params)
+    with pytest.raises(ValueError, match=message.replace("params", "updates", 1)):
+        tx.update(complex_params, tx.init(_params()))
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
+    opt = ga.MultiSteps(
+        optax.sgd(1.0),
+        2,
+        unreduced_axes="data",
+        window_reduction=ga.compressed_window_reduction(codec),
+    )
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=f"compressed_window_reduction: {message}"),
+    ):
+        opt.init(complex_params)
 
 
 # --- weights and non-finite devices ---------------------------------------

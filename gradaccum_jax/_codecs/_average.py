@@ -98,14 +98,19 @@ def average_transformation(
     """The transformation of a checked configuration (state: `CodecState`)."""
 
     def init_fn(params):
-        real_leaves(params, f"{config.caller}: params")
+        real_leaves(params, f"{config.caller}: params", _coder(config))
         return _mean.state_init(config, params, seed)
 
     def update_fn(updates, state: CodecState, params=None, *, weight=None, **extra):
         del params, extra
-        check_updates(updates, state.residual, config.caller)
+        check_updates(updates, state.residual, config.caller, coder=_coder(config))
         _mean.check_grown(updates, state.residual, config)
         means, state, _ = _mean.reduce_with_codec(config, updates, state, weight)
         return means, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _coder(config: _mean.Reduce) -> str:
+    """What codes the leaves, for messages."""
+    return f"the codec {config.codec.name}"

@@ -103,7 +103,7 @@ def compressed_window_reduction(
     error_feedback = _checks.boolean("error_feedback", error_feedback)
 
     def init_fn(params, layout):
-        real_leaves(params, f"{_CALLER}: params")
+        real_leaves(params, f"{_CALLER}: params", f"the codec {codec.name}")
         config = _config(codec, layout, error_feedback)
         whole = _mean.state_init(config, params, seed)
         leaves = jax.tree.leaves(params)

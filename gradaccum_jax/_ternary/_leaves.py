@@ -53,29 +53,30 @@ class NoResidual:
     shape: tuple[int, ...]
 
 
-def real_leaves(tree: Any, what: str) -> None:
-    """Raises, naming the leaf, if any leaf of ``tree`` is complex.
+def real_leaves(tree: Any, what: str, coder: str = "ternary compression") -> None:
+    """Raises, naming the leaf and ``coder``, if any leaf of ``tree`` is
+    complex.
 
-    A ternary code is a sign and a real scale: a complex value has neither,
-    and casting it to float32 silently drops its imaginary part. Every
-    complex leaf is rejected, whatever its size: `ternary_accumulate` and
-    the device mean keep leaves below ``min_size`` in float32 too, and an
-    error that appeared only once a leaf grew past ``min_size`` would be a
-    surprise.
+    A ternary code is a sign and a real scale, and every codec of
+    `gradaccum_jax.codecs` codes float32 inputs: a complex value has no sign
+    to round to, and casting it to float32 silently drops its imaginary
+    part. Every complex leaf is rejected, whatever its size: leaves below
+    ``min_size`` are kept or summed in float32 too, and an error that
+    appeared only once a leaf grew past ``min_size`` would be a surprise.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         dtype = jnp.result_type(leaf)
         if jnp.issubdtype(dtype, jnp.complexfloating):
             raise ValueError(
                 f"{what} leaf {jax.tree_util.keystr(path)} has dtype "
-                f"{dtype.name}: ternary compression takes real floating-point "
-                "leaves only (float32, bfloat16, float16, ...), since a complex "
-                "value has no sign to round to and its imaginary part would be "
-                "lost. Keep complex leaves out of it (optax.masked, "
-                "optax.multi_transform) and give them an uncompressed "
-                "transformation (accumulate or MultiSteps for a window, "
-                "average_across_devices for a mean), or split each into its "
-                "real and imaginary parts."
+                f"{dtype.name}: {coder} takes real floating-point "
+                "leaves only (float32, bfloat16, float16, ...), since its codes "
+                "are real: a complex value has no sign to round to and its "
+                "imaginary part would be lost. Keep complex leaves out of it "
+                "(optax.masked, optax.multi_transform) and give them an "
+                "uncompressed transformation (accumulate or MultiSteps for a "
+                "window, average_across_devices for a mean), or split each "
+                "into its real and imaginary parts."
             )
 
 
@@ -90,6 +91,7 @@ def check_updates(
     caller: str,
     min_size: int | None = None,
     keep_residual: bool = False,
+    coder: str = "ternary compression",
 ) -> None:
     """Raises, naming the leaf, if ``updates`` do not match a state template.
 
@@ -97,10 +99,11 @@ def check_updates(
     recording the shape where the state keeps no array. With ``keep_residual``,
     a leaf must also be compressed exactly where the template holds a
     residual (``min_size`` decides): a small leaf that grew past
-    ``min_size`` would have no residual to use.
+    ``min_size`` would have no residual to use. ``coder`` names what codes
+    them, for messages.
     """
     _checks.floating_leaves(updates, f"{caller}: updates")
-    real_leaves(updates, f"{caller}: updates")
+    real_leaves(updates, f"{caller}: updates", coder)
     _checks.same_structure(
         updates,
         template,
