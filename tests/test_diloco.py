@@ -1269,6 +1269,38 @@ def test_more_fragments_than_leaves_raises_at_init():
         opt.init(_params())
 
 
+def test_a_rejected_fragment_names_the_params_leaf_behind_its_position():
+    """The outer reduction sees a fragment as a list; its error names a
+    position, and diloco says which params leaf (and rows) that is."""
+    params = {
+        "a": jnp.zeros((4, 64), jnp.float32),
+        "z": jnp.zeros((4, 64), jnp.complex64),
+    }
+    reduction = ga.compressed_average_across_devices("i", ga.codecs.topk(0.1))
+    opt = ga.diloco(optax.sgd(0.1), 4, axis_name="i", outer_reduction=reduction)
+    with pytest.raises(
+        ValueError,
+        match=r"params leaf \[1\] has dtype complex64: the codec topk.*\(diloco's "
+        r"outer_reduction sees fragment 0 as a list: \[1\] is params leaf \['z'\]\)",
+    ):
+        opt.init(params)
+    # Fragments of scanned rows: fragment 1 holds rows 2:4 of each leaf.
+    opt = ga.diloco(
+        optax.sgd(0.1),
+        4,
+        axis_name="i",
+        outer_reduction=reduction,
+        fragments=2,
+        fragment_axis=0,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"fragment 0 as a list: \[1\] is params leaf \['z'\] rows 0:2 of "
+        r"axis 0\)",
+    ):
+        opt.init(params)
+
+
 def test_stacked_path_checks_the_workers_axis():
     opt = ga.diloco(optax.sgd(0.1), 2, axis_name="data")
     params = _params()

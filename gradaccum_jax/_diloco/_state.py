@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -65,7 +66,13 @@ def init_state(
             for piece in _fragments.cut(_fragments.take(leaves, fragment), fragment)
         ]
         outer_states.append(outer.init(pieces))
-        reduction_states.append(reduction_init(reduction, pieces, index))
+        try:
+            reduction_states.append(reduction_init(reduction, pieces, index))
+        except ValueError as error:
+            raise ValueError(
+                f"{error} (diloco's outer_reduction sees fragment {index} as a "
+                f"list: {_positions(params, fragment, str(error))})"
+            ) from error
     # A copy, not the params themselves: a donated train step would hand
     # the anchor's buffers to the new params otherwise.
     anchor = jax.tree.map(jnp.copy, params)
@@ -77,3 +84,30 @@ def init_state(
         reduction_states=tuple(reduction_states),
         cycle_weights=jnp.zeros([len(fragments)], jnp.float32),
     )
+
+
+def _positions(params: Any, fragment: _fragments.Fragment, message: str) -> str:
+    """Which params leaf each list position that ``message`` names stands
+    for, in the list the fragment's reduction sees (its pieces, then the
+    presence weight). A reduction names a leaf by its key path in what it
+    was given, ``[k]`` in that list, which means nothing to the user: the
+    list is diloco's, so diloco maps the positions back to the params."""
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+    named = []
+    for position in dict.fromkeys(
+        int(p) for p in re.findall(r"leaf \[(\d+)\]", message)
+    ):
+        if position < len(fragment):
+            piece = fragment[position]
+            rows = (
+                ""
+                if piece.axis is None
+                else f" rows {piece.start}:{piece.stop} of axis {piece.axis}"
+            )
+            named.append(f"[{position}] is params leaf {paths[piece.leaf]}{rows}")
+        elif position == len(fragment):
+            named.append(f"[{position}] is the scalar presence weight")
+    return ", ".join(named) or "its pieces in the params' order, then a scalar"
