@@ -325,6 +325,51 @@ def microbatched(params, layout):
 
 def average_across_devices(params, layout):
     """The weighted device mean inside a ``shard_map`` over ``data``."""
+    return _device_mean_run(params, layout, ga.average_across_devices("data"))
+
+
+def compressed_average_across_devices(params, layout):
+    """The same through a codec's plumbing (its state placed like the
+    params, error feedback, the weighted sum): top-k sending every entry in
+    float32 is the float32 mean."""
+    codec = ga.codecs.topk(1.0, bits=32)
+    return _device_mean_run(
+        params, layout, ga.compressed_average_across_devices("data", codec)
+    )
+
+
+def _per_device_residuals(state, layout):
+    """A chain's state whose first part is a `CodecState`, as it crosses a
+    ``shard_map`` over ``data``: each device's residual is its own, so the
+    global residual stacks ``data``'s blocks along axis 0 (``P("data")``
+    hands each device its block back), split like its param over other
+    axes; the rest is the same on every device. Returns the state and its
+    specs."""
+    n = layout.mesh().shape["data"]
+    codec_state = state[0]
+    residual = {
+        name: jax.device_put(
+            jnp.concatenate([r] * n),
+            P("data", *_padded(layout.specs[name], r.ndim)[1:]),
+        )
+        if isinstance(r, jax.Array)
+        else r  # a leaf that keeps no residual: no array
+        for name, r in codec_state.residual.items()
+    }
+    specs = (
+        codec_state._replace(
+            key=P(),
+            residual={name: P("data") for name in residual},
+            codec=P(),
+        ),
+        *(P() for _ in state[1:]),
+    )
+    return (codec_state._replace(residual=residual), *state[1:]), specs
+
+
+def _device_mean_run(params, layout, averaging):
+    """``averaging`` of each device's gradients over ``data``, then sgd."""
+    state_specs = P()
     if layout is None:  # the reference: the whole batch's masked mean
         tx = optax.sgd(1.0)
 
@@ -333,7 +378,7 @@ def average_across_devices(params, layout):
             return tx.update(grads, state, params)
 
     else:
-        tx = optax.chain(ga.average_across_devices("data"), optax.sgd(1.0))
+        tx = optax.chain(averaging, optax.sgd(1.0))
 
         def local_step(params, state, batch):
             # Each device's own gradient: differentiated as replicated, the
@@ -344,15 +389,18 @@ def average_across_devices(params, layout):
             )
             return tx.update(grads, state, params, weight=count)
 
+    params = _place(params, layout and layout.specs, layout)
+    state = _jit(tx.init)(params)
+    if layout is not None:
+        if isinstance(state[0], ga.extend.CodecState):
+            state, state_specs = _per_device_residuals(state, layout)
         # Manual over ``data`` only: a ``model`` axis stays the compiler's.
         step = jax.shard_map(
             local_step,
-            in_specs=(P(), P(), P("data")),
-            out_specs=(P(), P()),
+            in_specs=(P(), state_specs, P("data")),
+            out_specs=(P(), state_specs),
             axis_names={"data"},
         )
-    params = _place(params, layout and layout.specs, layout)
-    state = _jit(tx.init)(params)
     step = _jit(step)
     outputs = []
     for batch in _batches(2):
@@ -422,6 +470,7 @@ TRANSFORMATIONS: dict[str, Callable[[Any, Any], Any]] = {
         ternarize,
         microbatched,
         average_across_devices,
+        compressed_average_across_devices,
         unreduced_window,
         unreduced_weighted_window,
     )
@@ -525,6 +574,7 @@ def _plain_gathers(layout_name: str):
 # (`test_unreduced_windows_refuse_params_sharded_over_their_axis`).
 DATA_PARALLEL_ONLY = (
     "average_across_devices",
+    "compressed_average_across_devices",
     "unreduced_window",
     "unreduced_weighted_window",
 )
@@ -584,6 +634,9 @@ GATHERS_OVER_MODEL = {
         "model-split param at its boundary (and the updates at its "
         "out_specs): jax 0.10.2 lowers it with the other Explicit axes "
         "replicated"
+    ),
+    ("compressed_average_across_devices", "2d-tp"): (
+        "the same shard_map boundary, which also gathers the residuals"
     ),
 }
 
