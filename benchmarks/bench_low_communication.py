@@ -145,6 +145,9 @@ OUTER_LR, OUTER_MOMENTUM = 0.5, 0.8
 # residual (e <- 0.95 e + outer gradient); tried with a throwaway edit
 # (seeds 0-3), 0.95 ended at 1.065x with lr 2 (1.072x without decay),
 # 1.109x with lr 1, and 0.9 with lr 1 at 1.119x: not enough to add it.
+# Nesterov on top of the residual did worse at 1.8 % (seeds 0-1, lr /
+# momentum 1 / 0.5: 1.093x, 1 / 0.3: 1.097x, 1.5 / 0.3: 1.081x, 0.7 / 0.7:
+# 1.125x; the low-communication guide has them).
 SPARSE_DENSITY, SPARSE_OUTER_LR = 0.018, 2.0
 TERNARY_SEED = 0
 # Micro-batches per window of the ``DP ... window`` rows.
