@@ -224,7 +224,7 @@ def same_structure(
     """Raises if ``tree`` and ``reference`` differ in structure or leaf shapes.
 
     The message names the first leaf whose path or shape differs. Leaves of
-    ``reference`` for which ``placeholder`` is true (e.g. ``optax.MaskedNode``
+    ``reference`` for which ``placeholder`` is true (e.g. a ``NoResidual``
     where a state keeps nothing) match a leaf of any shape.
     """
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]

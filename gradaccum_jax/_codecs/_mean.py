@@ -22,7 +22,7 @@ from gradaccum_jax import _checks, _tree, _weights
 from gradaccum_jax._codecs import _auto_blocks
 from gradaccum_jax._codecs._protocol import Codec, CodecState, CodecSum, Wire
 from gradaccum_jax._ternary import _blocks, _random
-from gradaccum_jax._ternary._leaves import NoResidual, is_masked
+from gradaccum_jax._ternary._leaves import NoResidual, keeps_no_array
 
 
 class Reduce(NamedTuple):
@@ -92,9 +92,9 @@ def check_grown(updates: Any, residual: Any, config: Reduce) -> None:
     if not config.keeps_residual:
         return
     leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
-    slots = jax.tree.leaves(residual, is_leaf=is_masked)
+    slots = jax.tree.leaves(residual, is_leaf=keeps_no_array)
     for (path, leaf), slot in zip(leaves, slots, strict=True):
-        if coded(config.codec, leaf) and is_masked(slot):
+        if coded(config.codec, leaf) and keeps_no_array(slot):
             raise ValueError(
                 f"{config.caller}: updates leaf {jax.tree_util.keystr(path)} "
                 f"has shape {np.shape(leaf)}, which {config.codec.name} "
@@ -119,7 +119,7 @@ def reduce_with_codec(
     num_devices = _checks.bound_axis_size(config.axis, config.caller)
     leaves, treedef = jax.tree.flatten(updates)
     splits = splits or [_blocks.WHOLE] * len(leaves)
-    residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
     compressed = [i for i, x in enumerate(leaves) if coded(config.codec, x, splits[i])]
     exact = [i for i in range(len(leaves)) if i not in compressed]
     results = list(leaves)
@@ -170,7 +170,7 @@ def reduce_with_codec(
     codec_state = jax.tree.map(
         lambda new, old: jnp.where(keep, new, old), coded_sum.state, state.codec
     )
-    residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
+    residual_treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
     new_state = CodecState(
         _random.advance(state.key),
         jax.tree.unflatten(residual_treedef, new_residuals),

@@ -24,7 +24,7 @@ from gradaccum_jax._codecs import _auto_blocks, _mean
 from gradaccum_jax._codecs._average import codec_argument
 from gradaccum_jax._codecs._protocol import Codec, CodecState
 from gradaccum_jax._ternary import _blocks
-from gradaccum_jax._ternary._leaves import NoResidual, is_masked, real_leaves
+from gradaccum_jax._ternary._leaves import NoResidual, keeps_no_array, real_leaves
 
 _CALLER = "compressed_window_reduction"
 
@@ -110,14 +110,16 @@ def compressed_window_reduction(
         shapes = [tuple(np.shape(leaf)) for leaf in leaves]
         parts = iter(_term_parts(layout, whole.auto_splits, leaves, shapes))
         residual = [
-            slot if is_masked(slot) else _per_device(slot, layout, part)
+            slot if keeps_no_array(slot) else _per_device(slot, layout, part)
             for slot, part in zip(
-                jax.tree.leaves(whole.residual, is_leaf=is_masked), parts, strict=True
+                jax.tree.leaves(whole.residual, is_leaf=keeps_no_array),
+                parts,
+                strict=True,
             )
         ]
         return whole._replace(
             residual=jax.tree.unflatten(
-                jax.tree.structure(whole.residual, is_leaf=is_masked), residual
+                jax.tree.structure(whole.residual, is_leaf=keeps_no_array), residual
             ),
             codec=jax.tree.map(lambda leaf: _per_device(leaf, layout, ()), whole.codec),
         )
@@ -140,10 +142,10 @@ def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
     """``state``'s per-device parts split over the layout's axes, and each
     residual like its leaf of ``like`` (the gradients or params) over the
     others: a state restored from host arrays has lost both splits."""
-    residual_slots = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    residual_slots = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
     if isinstance(layout, _partials.Stacked):  # Auto: as `init` saw the params
         shapes = [
-            slot.shape if is_masked(slot) else tuple(slot.shape[1:])
+            slot.shape if keeps_no_array(slot) else tuple(slot.shape[1:])
             for slot in residual_slots
         ]
         parts = _term_parts(layout, state.auto_splits, residual_slots, shapes)
@@ -155,17 +157,17 @@ def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
         )
         parts = [
             _blocks.WHOLE
-            if is_masked(slot)
+            if keeps_no_array(slot)
             else _tree.partitions(slot)[1:]
             if leaf is None
             else _tree.partitions(leaf)[: jnp.ndim(slot) - 1]
             for slot, leaf in zip(residual_slots, like_leaves, strict=True)
         ]
     placed = [
-        slot if is_masked(slot) else _place(slot, _device_spec(layout, part))
+        slot if keeps_no_array(slot) else _place(slot, _device_spec(layout, part))
         for slot, part in zip(residual_slots, parts, strict=True)
     ]
-    treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
+    treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
     return state._replace(
         residual=jax.tree.unflatten(treedef, placed),
         codec=jax.tree.map(
@@ -216,7 +218,7 @@ def _device_spec(layout: Any, parts: tuple[Any, ...]) -> P:
 
 def _per_device(leaf: Any, layout: Any, parts: tuple[Any, ...]) -> Any:
     """``leaf`` (one device's) repeated for every device, stacked and placed."""
-    if is_masked(leaf):
+    if keeps_no_array(leaf):
         return leaf
     stacked = jnp.broadcast_to(leaf, (layout.device_count(), *jnp.shape(leaf)))
     return _place(stacked, _device_spec(layout, parts))
@@ -240,13 +242,13 @@ def reduce_terms(
     statistics' terms), which the codec must not compress.
     """
     leaves, treedef = jax.tree.flatten(terms)
-    residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
     stacked = isinstance(layout, _partials.Stacked)
     slots = _residual_slots(config, leaves, residuals, stacked)
     shapes = [tuple(np.shape(leaf))[1:] for leaf in leaves]
     parts = _term_parts(layout, state.auto_splits, leaves, shapes)
     residual_specs = [
-        None if is_masked(slot) else _device_spec(layout, parts[i])
+        None if keeps_no_array(slot) else _device_spec(layout, parts[i])
         for i, slot in enumerate(slots)
     ]
     state_spec = _device_spec(layout, ())
@@ -254,14 +256,16 @@ def reduce_terms(
         term_specs = [P(layout.axis, *p) for p in parts]
     else:
         term_specs = [P(*p, unreduced=set(layout.axes)) for p in parts]
-    arrays = [slot for slot in slots if not is_masked(slot)]
+    arrays = [slot for slot in slots if not keeps_no_array(slot)]
     array_specs = [spec for spec in residual_specs if spec is not None]
 
     def local(leaves, key, arrays, codec_state):
         if stacked:
             leaves = [leaf[0] for leaf in leaves]
         unstacked = iter([a[0] for a in arrays])
-        device_slots = [slot if is_masked(slot) else next(unstacked) for slot in slots]
+        device_slots = [
+            slot if keeps_no_array(slot) else next(unstacked) for slot in slots
+        ]
         codec_state = jax.tree.map(lambda leaf: leaf[0], codec_state)
         sums, new, sq_excess = _mean.reduce_with_codec(
             config,
@@ -273,7 +277,7 @@ def reduce_terms(
         new_arrays = [
             r[None]
             for r, slot in zip(new.residual, slots, strict=True)
-            if not is_masked(slot)
+            if not keeps_no_array(slot)
         ]
         new_codec = jax.tree.map(lambda leaf: leaf[None], new.codec)
         return sums, new.key, sq_excess, new_arrays, new_codec
@@ -298,10 +302,10 @@ def reduce_terms(
         jax.tree.map(lambda leaf: _place(leaf, state_spec), state.codec),
     )
     new_arrays = iter(arrays)
-    new_residuals = [slot if is_masked(slot) else next(new_arrays) for slot in slots][
-        : len(residuals)
-    ]
-    residual_treedef = jax.tree.structure(state.residual, is_leaf=is_masked)
+    new_residuals = [
+        slot if keeps_no_array(slot) else next(new_arrays) for slot in slots
+    ][: len(residuals)]
+    residual_treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
     new_state = state._replace(
         key=key,
         residual=jax.tree.unflatten(residual_treedef, new_residuals),

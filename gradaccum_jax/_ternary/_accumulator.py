@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gradaccum_jax import _checks, _tree
@@ -21,9 +22,10 @@ from gradaccum_jax._statistic import WindowStatistic
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._leaves import (
     DEFAULT_MIN_SIZE,
+    NoResidual,
     common_config,
     is_compressed,
-    is_masked,
+    keeps_no_array,
     real_leaves,
 )
 from gradaccum_jax._ternary._quantize import (
@@ -52,8 +54,9 @@ class TernaryAccumulatorState(NamedTuple):
         when every_k > 127); for leaves smaller than ``min_size``, the exact
         float32 weighted sum instead.
       scales: per compressed leaf, the window's float32 scale (the running
-        maximum of the micro-steps' scales); ``optax.MaskedNode()`` for
-        uncompressed leaves. The window's sum is ``code_sums * scales``.
+        maximum of the micro-steps' scales); a `NoResidual` (the leaf's
+        shape, no array) for uncompressed leaves. The window's sum is
+        ``code_sums * scales``.
     """
 
     key: jax.Array
@@ -106,7 +109,7 @@ def _ternary_window_accumulator(
 
     def total(acc):
         def leaf_total(code_sum, scale):
-            if is_masked(scale):
+            if keeps_no_array(scale):
                 return code_sum
             return ternary_dequantize(code_sum, scale)
 
@@ -162,7 +165,7 @@ def _window_init(
     def scale_init(param):
         if is_compressed(param, min_size):
             return jnp.zeros((), jnp.float32)
-        return optax.MaskedNode()
+        return NoResidual(tuple(np.shape(param)))
 
     return TernaryAccumulatorState(
         _random.seed_state(seed),
@@ -188,7 +191,7 @@ def _window_add(
     weight = jnp.asarray(weight, jnp.float32)
     leaves, treedef = jax.tree.flatten(grads)
     sums = jax.tree.leaves(acc.code_sums)
-    scales = jax.tree.leaves(acc.scales, is_leaf=is_masked)
+    scales = jax.tree.leaves(acc.scales, is_leaf=keeps_no_array)
     pairs = [
         _add_leaf(acc.key, i, weight, clip_sigma, code_sums, *args)
         for i, args in enumerate(zip(leaves, sums, scales, strict=True))
@@ -197,7 +200,7 @@ def _window_add(
         _random.advance(acc.key),
         jax.tree.unflatten(treedef, [pair[0] for pair in pairs]),
         jax.tree.unflatten(
-            jax.tree.structure(acc.scales, is_leaf=is_masked),
+            jax.tree.structure(acc.scales, is_leaf=keeps_no_array),
             [pair[1] for pair in pairs],
         ),
     )
@@ -221,7 +224,7 @@ def _add_leaf(
     (`_rescale`) and the codes of ``weight * grad`` are added; small leaves
     add ``weight * grad`` to their float32 sum."""
     value = weight * grad.astype(jnp.float32)
-    if is_masked(scale):
+    if keeps_no_array(scale):
         return code_sum + value, scale
     # The statistics of w * g from those of g: no w * g written out.
     step_scale, bound, finite = scale_and_bound(

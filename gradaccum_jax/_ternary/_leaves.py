@@ -2,7 +2,7 @@
 
 Compression is decided per leaf from its static shape (`is_compressed`);
 leaves that keep nothing in a state are a `NoResidual` there (their shape,
-no array), or ``optax.MaskedNode()`` where no shape is needed.
+no array).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from gradaccum_jax import _checks
 from gradaccum_jax._ternary._quantize import validate_clip_sigma
@@ -80,9 +79,15 @@ def real_leaves(tree: Any, what: str, coder: str = "ternary compression") -> Non
             )
 
 
-def is_masked(node: Any) -> bool:
-    """Whether a state slot holds no array (`NoResidual` or ``MaskedNode``)."""
-    return isinstance(node, optax.MaskedNode | NoResidual)
+def keeps_no_array(node: Any) -> bool:
+    """Whether a state slot holds no array for its leaf (a `NoResidual`).
+
+    ``optax.MaskedNode`` is not such a slot: it stands where ``optax.masked``
+    (or ``optax.multi_transform``) left a leaf out of the params, the
+    updates and so the state alike, and flattens to no leaf in each, so the
+    trees still pair leaf by leaf.
+    """
+    return isinstance(node, NoResidual)
 
 
 def check_updates(
@@ -109,14 +114,14 @@ def check_updates(
         template,
         f"{caller}: updates",
         "the parameters the state was initialized with",
-        placeholder=is_masked,
+        placeholder=keeps_no_array,
     )
     leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
-    slots = jax.tree.leaves(template, is_leaf=is_masked)
+    slots = jax.tree.leaves(template, is_leaf=keeps_no_array)
     for (path, leaf), slot in zip(leaves, slots, strict=True):
         name = jax.tree_util.keystr(path)
         grown = keep_residual and min_size is not None and is_compressed(leaf, min_size)
-        if grown and is_masked(slot):
+        if grown and keeps_no_array(slot):
             raise ValueError(
                 f"{caller}: updates leaf {name} has shape "
                 f"{np.shape(leaf)} ({np.size(leaf)} elements, compressed since "

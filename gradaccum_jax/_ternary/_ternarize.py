@@ -20,7 +20,7 @@ from gradaccum_jax._ternary._leaves import (
     check_updates,
     common_config,
     is_compressed,
-    is_masked,
+    keeps_no_array,
     real_leaves,
 )
 from gradaccum_jax._ternary._quantize import (
@@ -130,14 +130,14 @@ def _ternarized(
 ) -> tuple[Any, TernaryState]:
     """One step: every leaf's ternary reconstruction, and the new state."""
     leaves, treedef = jax.tree.flatten(updates)
-    residuals = jax.tree.leaves(state.residual, is_leaf=is_masked)
+    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
     pairs = [
         _compressed_leaf(config, state.key, i, leaf, residual)
         for i, (leaf, residual) in enumerate(zip(leaves, residuals, strict=True))
     ]
     sent = jax.tree.unflatten(treedef, [pair[0] for pair in pairs])
     residual = jax.tree.unflatten(
-        jax.tree.structure(state.residual, is_leaf=is_masked),
+        jax.tree.structure(state.residual, is_leaf=keeps_no_array),
         [pair[1] for pair in pairs],
     )
     return sent, TernaryState(_random.advance(state.key), residual)
