@@ -397,8 +397,9 @@ def outer_reduction(value: Any, axis: Any) -> Any:
         raise ValueError(
             "`outer_reduction` must be None (a weighted float32 mean) or an "
             "optax.GradientTransformation that averages over the workers' axis, "
-            "such as ternary_average_across_devices('data', seed=0), got "
-            f"{value!r}."
+            "such as ternary_average_across_devices('data', seed=0), or "
+            "compressed_average_across_devices('data', codec) for a codec of "
+            f"gradaccum_jax.codecs, got {value!r}."
         )
     if axis is None:
         raise ValueError(

@@ -197,6 +197,17 @@ TABLE: list[Row] = [
     *_rows_for(
         ACCUMULATORS, "window_reduction", ("ternary", (1, 2), 3), r"WindowReduction"
     ),
+    # A codec, or the device mean built on one, says how a codec goes in.
+    *_rows_for(
+        ACCUMULATORS,
+        "window_reduction",
+        (
+            ga.codecs.topk(0.01),
+            ga.compressed_average_across_devices("data", ga.codecs.topk(0.01)),
+        ),
+        r"compressed_window_reduction\(codec\) for a codec of "
+        r"gradaccum_jax.codecs\), got",
+    ),
     # More window statistics: named ones, not a sequence or one bare.
     *_rows_for(
         ACCUMULATORS,
@@ -304,6 +315,13 @@ TABLE: list[Row] = [
         "outer_reduction",
         ("ternary", 3, ga.ternary_average_across_devices),
         TRANSFORMATION,
+    ),
+    Row(
+        "diloco",
+        "outer_reduction",
+        (ga.codecs.topk(0.01), ga.compressed_window_reduction(ga.codecs.topk(0.01))),
+        r"compressed_average_across_devices\('data', codec\) for a codec of "
+        r"gradaccum_jax.codecs, got",
     ),
     Row("diloco", "fragments", BAD_COUNTS, INTEGER_GE_1),
     # Each fragment syncs at its own step of the 4-step cycle.

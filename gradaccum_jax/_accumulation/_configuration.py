@@ -122,14 +122,15 @@ def _window_reduction(
         return float_window_reduction()
     if not isinstance(reduction, WindowReduction):
         raise ValueError(
-            "`window_reduction` must be None or a WindowReduction (e.g. "
-            f"ternary_window_reduction(seed=0)), got {reduction!r}."
+            "`window_reduction` must be None or a WindowReduction "
+            "(ternary_window_reduction(seed=0), or compressed_window_reduction("
+            f"codec) for a codec of gradaccum_jax.codecs), got {reduction!r}."
         )
     if not unreduced_axes:
         raise ValueError(
             "`window_reduction` needs `unreduced_axes`: without per-device "
             "terms the window has nothing to reduce across devices (put "
-            "ternary_average_across_devices in the inner chain under "
-            "shard_map instead)."
+            "ternary_average_across_devices or compressed_average_across_devices "
+            "in the inner chain under shard_map instead)."
         )
     return reduction
