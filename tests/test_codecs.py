@@ -414,6 +414,53 @@ def test_complex_leaves_are_rejected_naming_the_leaf_and_the_codec(codec):
         opt.init(complex_params)
 
 
+@pytest.mark.parametrize(
+    ("made_with", "used_with"),
+    [(codecs.topk(0.05), codecs.powersgd(2)), (codecs.powersgd(2), codecs.topk(0.05))],
+    ids=["topk-state-to-powersgd", "powersgd-state-to-topk"],
+)
+def test_a_state_made_for_another_codec_is_refused(made_with, used_with):
+    """A state restored from a run with another codec: PowerSGD would pair
+    its factors with nothing (a bare zip error), top-k would carry them
+    along unnoticed. Both plug-ins name the mismatch."""
+    message = (
+        rf"the state's codec part has the structure .*, but "
+        rf"{re.escape(used_with.name)} keeps .*: the state was made for another "
+        "codec"
+    )
+    made = ga.compressed_average_across_devices("i", made_with)
+    used = ga.compressed_average_across_devices("i", used_with)
+    grads = _grads(0)
+    state = _replicate(made.init(_params()))
+    with pytest.raises(
+        ValueError, match=f"compressed_average_across_devices: {message}"
+    ):
+        jax.pmap(used.update, axis_name="i")(grads, state)
+    mesh = _mesh((8,), ("data",), AxisType.Explicit)
+
+    def window(codec):
+        return ga.MultiSteps(
+            optax.sgd(1.0),
+            2,
+            unreduced_axes="data",
+            window_reduction=ga.compressed_window_reduction(codec),
+        )
+
+    grad_fn = ga.local_value_and_grad(
+        lambda p, x: sum(jnp.sum(jnp.tanh(x[:, None] * leaf)) for leaf in p.values()),
+        "data",
+    )
+    with jax.set_mesh(mesh):
+        params = jax.device_put(_params(), P())
+        state = jax.jit(window(made_with).init)(params)
+        x = jax.device_put(np.ones((8,), np.float32), P("data"))
+        opt = window(used_with)
+        with pytest.raises(ValueError, match=f"compressed_window_reduction: {message}"):
+            jax.jit(lambda p, s, x: opt.update(grad_fn(p, x)[1], s, p))(
+                params, state, x
+            )
+
+
 # --- weights and non-finite devices ---------------------------------------
 
 DROPPED = [codecs.quantized(bits=8), codecs.topk(0.02), codecs.powersgd(2)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
 import optax
 
 from gradaccum_jax import _checks
@@ -105,6 +107,9 @@ def average_transformation(
         del params, extra
         check_updates(updates, state.residual, config.caller, coder=_coder(config))
         _mean.check_grown(updates, state.residual, config)
+        _mean.check_codec_state(
+            config, [np.shape(x) for x in jax.tree.leaves(updates)], state.codec
+        )
         means, state, _ = _mean.reduce_with_codec(config, updates, state, weight)
         return means, state
 

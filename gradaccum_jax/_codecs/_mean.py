@@ -104,6 +104,30 @@ def check_grown(updates: Any, residual: Any, config: Reduce) -> None:
             )
 
 
+def check_codec_state(
+    config: Reduce, shapes: list[tuple[int, ...]], codec_state: Any
+) -> None:
+    """Raises if ``codec_state`` is not what ``config.codec`` keeps for
+    params of leaf ``shapes`` (a state made, or restored, for another codec:
+    PowerSGD's factors handed to top-k, or none handed to PowerSGD)."""
+    coded_shapes = [
+        jax.ShapeDtypeStruct(shape, jnp.float32)
+        for shape in shapes
+        if config.codec.compresses(shape)
+    ]
+    expected = jax.eval_shape(
+        lambda: config.codec.init(coded_shapes, _random.seed_state(0))
+    )
+    if jax.tree.structure(expected) != jax.tree.structure(codec_state):
+        raise ValueError(
+            f"{config.caller}: the state's codec part has the structure "
+            f"{jax.tree.structure(codec_state)}, but {config.codec.name} keeps "
+            f"{jax.tree.structure(expected)} for these params: the state was "
+            "made for another codec. Initialize it with this transformation's "
+            "init (and restore a checkpoint into that target)."
+        )
+
+
 def reduce_with_codec(
     config: Reduce,
     updates: Any,

@@ -245,6 +245,11 @@ def reduce_terms(
     residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
     stacked = isinstance(layout, _partials.Stacked)
     slots = _residual_slots(config, leaves, residuals, stacked)
+    param_shapes = [
+        tuple(np.shape(leaf))[1:] if stacked else tuple(np.shape(leaf))
+        for leaf in leaves[: len(residuals)]
+    ]
+    _mean.check_codec_state(config, param_shapes, state.codec)
     shapes = [tuple(np.shape(leaf))[1:] for leaf in leaves]
     parts = _term_parts(layout, state.auto_splits, leaves, shapes)
     residual_specs = [
