@@ -1301,6 +1301,41 @@ def test_a_rejected_fragment_names_the_params_leaf_behind_its_position():
         opt.init(params)
 
 
+@pytest.mark.parametrize(
+    ("made", "used", "missing"),
+    [
+        (
+            dict(fragments=2),
+            dict(),
+            r"missing \['.outer_states\[0\]\[0\].trace\[1\]'\], unexpected "
+            r"\['.outer_states\[1\]\[0\].trace\[0\]'\]",
+        ),
+        (
+            dict(inner=optax.sgd(0.1)),
+            dict(inner=optax.adam(0.1)),
+            r"missing \['.inner_state\[0\].count', ",
+        ),
+    ],
+    ids=["fragments", "inner"],
+)
+def test_a_state_made_with_another_configuration_is_refused(made, used, missing):
+    """Not a pytree error from a tree_map, nor an AttributeError of the inner
+    optimizer: the leaves that differ, and what to do."""
+
+    def build(inner=None, **kwargs):
+        inner = optax.sgd(0.1) if inner is None else inner
+        return ga.diloco(inner, 4, outer=optax.sgd(0.7, momentum=0.9), **kwargs)
+
+    params = {"a": jnp.ones((4, 8)), "b": jnp.ones((8,))}
+    state = build(**made).init(params)
+    with pytest.raises(
+        ValueError,
+        match=r"diloco: the state does not have the leaves this transformation's "
+        rf"init makes for these params \({missing}.*Initialize it with",
+    ):
+        build(**used).update(params, state, params)
+
+
 def test_stacked_path_checks_the_workers_axis():
     opt = ga.diloco(optax.sgd(0.1), 2, axis_name="data")
     params = _params()

@@ -75,7 +75,7 @@ def run_stacked(
     params = jax.tree.map(functools.partial(rows_split, axis=axis_name), params)
     if is_explicit(axis_name):  # on Auto axes the compiler lays them out
         grads = _split_like(grads, params, axis_name)
-        state = _split_like(state, _state_layout(init_fn, params), axis_name)
+        state = _split_like(state, state_layout(init_fn, params), axis_name)
     if per_worker_weight:
         weight = rows_split(jnp.asarray(weight), axis_name)
     return _mapped(worker_fn, axis_name, grads, state, params, weight)
@@ -150,7 +150,7 @@ def _split_like(tree: Any, like: Any, axis_name: str) -> Any:
     )
 
 
-def _state_layout(init_fn: Callable[[Any], Any], stacked_params: Any) -> Any:
+def state_layout(init_fn: Callable[[Any], Any], stacked_params: Any) -> Any:
     """One worker's state as ``init_fn`` lays it out for one row of the
     stacked params (shapes and shardings only, nothing computed)."""
 
