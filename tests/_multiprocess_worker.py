@@ -39,7 +39,7 @@ EVERY_K = 3
 MICRO_STEPS = 7
 PER_DEVICE_BATCH = 6
 IN_FEATURES, OUT_FEATURES = 32, 16  # w has 512 elements: ternary-compressed.
-KINDS = ("adam", "ternary")
+KINDS = ("adam", "ternary", "topk")
 # The jax.jit path: "jit" trains on an Explicit and on an Auto mesh.
 JIT_AXIS = "data"
 JIT_MESHES = ("explicit", "auto")
@@ -110,6 +110,13 @@ def make_optimizer(kind: str):
     elif kind == "ternary":
         inner = optax.chain(
             ga.ternary_average_across_devices(AXIS, seed=3), optax.sgd(0.05)
+        )
+    elif kind == "topk":
+        # Each device's top 10 % of w in 4 bits, gathered and added up in
+        # the devices' order on every device, error feedback per device.
+        inner = optax.chain(
+            ga.compressed_average_across_devices(AXIS, ga.codecs.topk(0.1, bits=4)),
+            optax.sgd(0.05),
         )
     else:
         raise ValueError(f"unknown kind {kind!r}, expected one of {KINDS}")
