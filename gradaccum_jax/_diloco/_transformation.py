@@ -107,15 +107,10 @@ def diloco(
         if axis is None or _is_bound(axis):
             _check_state(state, jax.eval_shape(init_fn, params))
             return worker_fn(updates, state, params, weight)
-        _check_state(state, _update.state_layout(init_fn, params))
+        layout = _update.state_layout(init_fn, params)
+        _check_state(state, layout)
         return _update.run_stacked(
-            worker_fn,
-            axis,
-            updates,
-            state,
-            params,
-            weight,
-            init_fn,
+            worker_fn, axis, updates, state, params, weight, layout
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

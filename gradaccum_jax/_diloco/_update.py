@@ -53,18 +53,19 @@ def run_stacked(
     state: Any,
     params: Any,
     weight: Any,
-    init_fn: Callable[[Any], Any],
+    worker_state: Any,
 ) -> tuple[Any, Any]:
     """Runs ``worker_fn(grads, state, params, weight)`` once per stacked worker.
 
     ``grads``, ``state`` (a `DiLoCoState`) and ``params`` have a leading
     workers axis of the size of mesh axis ``axis_name``; ``weight`` is None,
     a scalar (the same for every worker) or one per worker (shape
-    ``(n,)``). The results come back stacked the same way. ``init_fn`` (one
-    worker's ``init``) says how a state restored from host arrays is laid
-    out over the other mesh axes. ``worker_fn`` also gets ``layouts=``:
-    per param leaf, its split over the other mesh axes, which the map
-    leaves to the compiler (see the module's docstring).
+    ``(n,)``). The results come back stacked the same way.
+    ``worker_state`` (`state_layout` of one worker's ``init``) says how a
+    state restored from host arrays is laid out over the other mesh axes.
+    ``worker_fn`` also gets ``layouts=``: per param leaf, its split over the
+    other mesh axes, which the map leaves to the compiler (see the module's
+    docstring).
     """
     check_stacked(params, axis_name, "diloco")
     per_worker_weight = weight is not None and np.ndim(weight) != 0
@@ -75,7 +76,7 @@ def run_stacked(
     params = jax.tree.map(functools.partial(rows_split, axis=axis_name), params)
     if is_explicit(axis_name):  # on Auto axes the compiler lays them out
         grads = _split_like(grads, params, axis_name)
-        state = _split_like(state, state_layout(init_fn, params), axis_name)
+        state = _split_like(state, worker_state, axis_name)
     if per_worker_weight:
         weight = rows_split(jnp.asarray(weight), axis_name)
     return _mapped(worker_fn, axis_name, grads, state, params, weight)
