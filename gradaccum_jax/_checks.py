@@ -252,6 +252,36 @@ def same_structure(
             )
 
 
+def made_like(state: Any, expected: Any, what: str, made_with: str) -> None:
+    """Raises unless ``state`` has the leaves (key paths) of ``expected``,
+    what ``init`` makes for these params (abstract values will do).
+
+    A state made with another configuration (``made_with`` names what may
+    differ), or restored from such a run, would otherwise fail deep inside
+    the update or be read as something else. Only the leaves are compared:
+    static nodes (a split recorded on an Auto mesh) may differ between an
+    eager ``init`` and this abstract one.
+    """
+
+    def paths(tree: Any) -> list[str]:
+        return [
+            jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+        ]
+
+    got, want = paths(state), paths(expected)
+    if got != want:
+        missing = sorted(set(want) - set(got))
+        unexpected = sorted(set(got) - set(want))
+        raise ValueError(
+            f"{what} does not have the leaves this transformation's init makes "
+            f"for these params (missing {missing[:4] or 'none'}, unexpected "
+            f"{unexpected[:4] or 'none'}): it was made with another {made_with}. "
+            "Initialize it with this transformation's init (and restore a "
+            "checkpoint into that target)."
+        )
+
+
 def gradients_as_terms(grads: Any, params: Any, layout: Any) -> None:
     """Raises unless ``grads`` are gradients of ``params`` in ``layout``'s form.
 

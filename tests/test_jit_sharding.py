@@ -1243,3 +1243,36 @@ def test_local_value_and_grad_gives_0d_arguments_to_every_device(any_mesh, compi
         ValueError, match=r"local_value_and_grad: argument 3 has shape \(2,\)"
     ):
         compile_fn(grad_fn)(params, x, y, jax.random.PRNGKey(4), 2.0)
+
+
+@pytest.mark.parametrize(
+    ("made", "used", "differ"),
+    [
+        (None, ga.ternary_window_reduction(0), r"missing \['.key'\], unexpected none"),
+        (ga.ternary_window_reduction(0), None, r"missing none, unexpected \['.key'\]"),
+    ],
+    ids=["float-state-to-ternary", "ternary-state-to-float"],
+)
+def test_a_state_made_with_another_window_reduction_is_refused(
+    any_mesh, made, used, differ
+):
+    """On both axis types: the reduction state another window_reduction made
+    (restored from a run that reduced its windows otherwise) is named, not
+    failed on deep inside (an AttributeError) or carried along unused."""
+
+    def window(reduction):
+        return ga.MultiSteps(
+            optax.sgd(1.0), K, unreduced_axes="data", window_reduction=reduction
+        )
+
+    params = jax.device_put(_params(), P())
+    state = jax.jit(window(made).init)(params)
+    with pytest.raises(
+        ValueError,
+        match=r"MultiSteps.update: the state's reduction_state does not have the "
+        rf"leaves this transformation's init makes for these params \({differ}\): "
+        r"it was made with another window_reduction",
+    ):
+        jax.jit(_weighted_step(window(used)))(
+            params, state, *_place(_micro_batches([16], masked=True)[0])
+        )

@@ -8,6 +8,7 @@ arguments) and calls the engine; the algorithm itself reads in `_engine`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -202,6 +203,18 @@ class MultiSteps:
         _checks.floating_leaves(updates, "gradients")
         layout = self._config.layout()
         _checks.gradients_as_terms(updates, params, layout)
+        if params is not None:
+            # Where params are given, the window reduction's state must be
+            # the one its init makes (not another reduction's, restored).
+            _checks.made_like(
+                state.reduction_state,
+                jax.eval_shape(
+                    functools.partial(self._config.reduction.init_state, layout=layout),
+                    params,
+                ),
+                "MultiSteps.update: the state's reduction_state",
+                "window_reduction",
+            )
         weight = layout.as_weight(weight, "MultiSteps.update")
         state = _engine.lift(self._config, state, layout, updates)
         state, full = _engine.add_micro_batch(

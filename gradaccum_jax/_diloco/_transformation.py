@@ -149,29 +149,13 @@ def _check_update(updates: Any, state: DiLoCoState, params: Any) -> None:
 
 
 def _check_state(state: DiLoCoState, expected: Any) -> None:
-    """Raises unless ``state`` has the leaves ``init`` makes for these params:
-    a state made with another inner or outer optimizer, ``outer_reduction``
-    or number of fragments (or restored from such a run) would otherwise
-    fail deep inside the update, or be read as something else."""
-
-    def paths(tree):
-        return [
-            jax.tree_util.keystr(path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-        ]
-
-    got, want = paths(state), paths(expected)
-    if got != want:
-        missing = sorted(set(want) - set(got))
-        unexpected = sorted(set(got) - set(want))
-        raise ValueError(
-            "diloco: the state does not have the leaves this transformation's "
-            f"init makes for these params (missing {missing[:4] or 'none'}, "
-            f"unexpected {unexpected[:4] or 'none'}): it was made with another "
-            "inner or outer optimizer, outer_reduction or number of fragments. "
-            "Initialize it with this transformation's init (and restore a "
-            "checkpoint into that target)."
-        )
+    """Raises unless ``state`` has the leaves of ``expected`` (`init`'s)."""
+    _checks.made_like(
+        state,
+        expected,
+        "diloco: the state",
+        "inner or outer optimizer, outer_reduction or number of fragments",
+    )
 
 
 def _is_bound(axis: Any) -> bool:
