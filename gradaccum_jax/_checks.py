@@ -229,11 +229,9 @@ def same_structure(
     """
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     ref_leaves = jax.tree_util.tree_flatten_with_path(reference, is_leaf=placeholder)[0]
-    paths = [jax.tree_util.keystr(p) for p, _ in leaves]
-    ref_paths = [jax.tree_util.keystr(p) for p, _ in ref_leaves]
-    if paths != ref_paths:
-        missing = sorted(set(ref_paths) - set(paths))
-        extra = sorted(set(paths) - set(ref_paths))
+    difference = _path_difference(leaves, ref_leaves)
+    if difference:
+        missing, extra = difference
         raise ValueError(
             f"{what} do not have the structure of {reference_name}: "
             f"missing leaves {missing or 'none'}, unexpected leaves "
@@ -262,17 +260,12 @@ def made_like(state: Any, expected: Any, what: str, made_with: str) -> None:
     static nodes (a split recorded on an Auto mesh) may differ between an
     eager ``init`` and this abstract one.
     """
-
-    def paths(tree: Any) -> list[str]:
-        return [
-            jax.tree_util.keystr(path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-        ]
-
-    got, want = paths(state), paths(expected)
-    if got != want:
-        missing = sorted(set(want) - set(got))
-        unexpected = sorted(set(got) - set(want))
+    difference = _path_difference(
+        jax.tree_util.tree_flatten_with_path(state)[0],
+        jax.tree_util.tree_flatten_with_path(expected)[0],
+    )
+    if difference:
+        missing, unexpected = difference
         raise ValueError(
             f"{what} does not have the leaves this transformation's init makes "
             f"for these params (missing {missing[:4] or 'none'}, unexpected "
@@ -280,6 +273,19 @@ def made_like(state: Any, expected: Any, what: str, made_with: str) -> None:
             "Initialize it with this transformation's init (and restore a "
             "checkpoint into that target)."
         )
+
+
+def _path_difference(
+    leaves: list[tuple[Any, Any]], reference: list[tuple[Any, Any]]
+) -> tuple[list[str], list[str]] | None:
+    """``(missing, unexpected)`` key paths of flattened ``leaves`` against
+    flattened ``reference`` (``tree_flatten_with_path``'s), sorted; None
+    where the paths are the same, in the same order."""
+    paths = [jax.tree_util.keystr(path) for path, _ in leaves]
+    ref_paths = [jax.tree_util.keystr(path) for path, _ in reference]
+    if paths == ref_paths:
+        return None
+    return sorted(set(ref_paths) - set(paths)), sorted(set(paths) - set(ref_paths))
 
 
 def gradients_as_terms(grads: Any, params: Any, layout: Any) -> None:

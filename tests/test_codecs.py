@@ -424,9 +424,9 @@ def test_a_state_made_for_another_codec_is_refused(made_with, used_with):
     its factors with nothing (a bare zip error), top-k would carry them
     along unnoticed. Both plug-ins name the mismatch."""
     message = (
-        rf"the state's codec part has the structure .*, but "
-        rf"{re.escape(used_with.name)} keeps .*: the state was made for another "
-        "codec"
+        rf"the state's codec part for {re.escape(used_with.name)} does not have "
+        r"the leaves this transformation's init makes for these params \(missing "
+        r".*\): it was made with another codec"
     )
     made = ga.compressed_average_across_devices("i", made_with)
     used = ga.compressed_average_across_devices("i", used_with)

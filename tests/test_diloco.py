@@ -1336,6 +1336,33 @@ def test_a_state_made_with_another_configuration_is_refused(made, used, missing)
         build(**used).update(params, state, params)
 
 
+@pytest.mark.parametrize("layout", ["2d-tp", "1d-auto"])
+def test_stacked_workers_refuse_a_state_made_with_other_fragments(layout):
+    """The check on the stacked path, under jax.jit over a mesh: one worker's
+    state as init lays it out, against the stacked state's leaves."""
+    mesh = stacked_mesh(layout)
+    specs = LAYOUTS[layout][3] or jax.tree.map(lambda _: P(), _params())
+
+    def build(fragments):
+        return ga.diloco(optax.sgd(0.1), 4, axis_name="data", fragments=fragments)
+
+    with jax.set_mesh(mesh):
+        params = jax.tree.map(
+            lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec)),
+            _params(),
+            specs,
+        )
+        state = ga.stack_workers(build(2).init(params), "data")
+        stacked = ga.stack_workers(params, "data")
+        with pytest.raises(
+            ValueError,
+            match=r"diloco: the state does not have the leaves .*\(missing "
+            r"\['.outer_states\[0\]\[0\].trace\[1\]', .*unexpected "
+            r"\['.outer_states\[1\]\[0\].trace\[0\]'",
+        ):
+            jax.jit(build(1).update)(stacked, state, stacked)
+
+
 def test_stacked_path_checks_the_workers_axis():
     opt = ga.diloco(optax.sgd(0.1), 2, axis_name="data")
     params = _params()

@@ -16,16 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax import codecs
+from helpers import init_as_users_do
 
 N = 8
 STEPS = 3
 # The matrix is coded by every compressing transformation (>= 256
-# elements); the complex leaf is the one masked out.
-SHAPES = {"w": (32, 64), "z": (16, 16)}
-MASK = {"w": True, "z": False}
+# elements), the bias by none (below min_size: the state keeps no array for
+# it); the complex leaf is the one masked out.
+SHAPES = {"w": (32, 64), "b": (64,), "z": (16, 16)}
+MASK = {"w": True, "b": True, "z": False}
+GIVEN = [name for name, given in MASK.items() if given]
 
 ONE_DEVICE = {
     "MultiSteps": lambda: ga.MultiSteps(optax.adam(0.1), 2),
@@ -64,6 +68,7 @@ def _tree(seed: int, devices: int | None = None):
     lead = () if devices is None else (devices,)
     return {
         "w": rng.standard_normal((*lead, *SHAPES["w"])).astype(np.float32),
+        "b": rng.standard_normal((*lead, *SHAPES["b"])).astype(np.float32),
         "z": (
             rng.standard_normal((*lead, *SHAPES["z"]))
             + 1j * rng.standard_normal((*lead, *SHAPES["z"]))
@@ -78,7 +83,7 @@ def _wrappers(build):
         "masked": optax.masked(build(), MASK),
         "multi_transform": optax.multi_transform(
             {"given": build(), "kept": optax.identity()},
-            {"w": "given", "z": "kept"},
+            {name: "given" if given else "kept" for name, given in MASK.items()},
         ),
     }
 
@@ -95,13 +100,16 @@ def _run(tx, params, grads, step):
 def _assert_given_leaves_as_alone(build, params, grads, step, wrapper):
     alone = _run(
         build(),
-        {"w": params["w"]},
-        [{"w": g["w"]} for g in grads],
+        {name: params[name] for name in GIVEN},
+        [{name: g[name] for name in GIVEN} for g in grads],
         step,
     )
     wrapped = _run(_wrappers(build)[wrapper], params, grads, step)
     for got, expected, g in zip(wrapped, alone, grads, strict=True):
-        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(expected["w"]))
+        for name in GIVEN:
+            np.testing.assert_array_equal(
+                np.asarray(got[name]), np.asarray(expected[name]), err_msg=name
+            )
         np.testing.assert_array_equal(np.asarray(got["z"]), np.asarray(g["z"]))
         assert got["z"].dtype == jnp.complex64
 
@@ -136,19 +144,38 @@ WINDOW_REDUCTIONS = {
 
 
 def _window_loss(params, x):
-    loss = jnp.sum(jnp.tanh(x @ params["w"]))
+    loss = jnp.sum(jnp.tanh(x @ params["w"] + params["b"]))
     if "z" in params:
         loss = loss + jnp.sum(params["z"] ** 2)
     return loss
 
 
+# The window's mesh: 1-D Explicit and Auto with replicated float32 params,
+# and 2-D Explicit with bfloat16 params split over `model` (w by columns,
+# b with them), the masked leaf replicated.
+WINDOW_MESHES = {
+    "1d-explicit": ((N,), ("data",), jax.sharding.AxisType.Explicit, {}, jnp.float32),
+    "1d-auto": ((N,), ("data",), jax.sharding.AxisType.Auto, {}, jnp.float32),
+    "2d-explicit-tp-bf16": (
+        (4, 2),
+        ("data", "model"),
+        jax.sharding.AxisType.Explicit,
+        {"w": P(None, "model"), "b": P("model")},
+        jnp.bfloat16,
+    ),
+}
+
+
+@pytest.mark.parametrize("mesh_name", WINDOW_MESHES)
 @pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
 @pytest.mark.parametrize("name", WINDOW_REDUCTIONS)
 def test_a_wrapped_window_reduced_once_per_window_treats_its_leaves_as_alone(
-    name, wrapper
+    name, wrapper, mesh_name
 ):
     """`MultiSteps` reducing its window with a codec on a mesh: the
-    per-device terms and residuals of the leaves it is given only."""
+    per-device terms and residuals of the leaves it is given only, split
+    like their params."""
+    shape, names, axis_type, specs, dtype = WINDOW_MESHES[mesh_name]
 
     def build():
         return ga.MultiSteps(
@@ -160,28 +187,42 @@ def test_a_wrapped_window_reduced_once_per_window_treats_its_leaves_as_alone(
 
     grad_fn = ga.local_value_and_grad(_window_loss, "data")
     rng = np.random.default_rng(4)
-    xs = [rng.standard_normal((16, 32)).astype(np.float32) for _ in range(4)]
-    params = {
-        "w": rng.standard_normal(SHAPES["w"]).astype(np.float32),
-        "z": rng.standard_normal(SHAPES["z"]).astype(np.float32),
-    }
-    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    xs = [rng.standard_normal((16, 32)).astype(dtype) for _ in range(4)]
+    params = {name: rng.standard_normal(SHAPES[name]).astype(dtype) for name in SHAPES}
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
 
     def run(tx, params):
         step = jax.jit(lambda p, s, x: tx.update(grad_fn(p, x)[1], s, p))
         with jax.set_mesh(mesh):
-            params = jax.device_put(params, jax.sharding.PartitionSpec())
-            state = jax.jit(tx.init)(params)
+            params = {
+                name: jax.device_put(leaf, specs.get(name, P()))
+                for name, leaf in params.items()
+            }
+            state = init_as_users_do(tx.init, params)
             outputs = []
             for x in xs:
-                x = jax.device_put(x, jax.sharding.PartitionSpec("data"))
+                x = jax.device_put(x, P("data"))
                 updates, state = jax.block_until_ready(step(params, state, x))
-                # Only "w": the leaves left out pass through as the
+                # The given leaves only: those left out pass through as the
                 # per-device terms `local_value_and_grad` made them.
-                outputs.append(jax.device_get(updates["w"]))
+                outputs.append({name: jax.device_get(updates[name]) for name in GIVEN})
+                if axis_type == jax.sharding.AxisType.Explicit:
+                    for name in GIVEN:
+                        got = jax.typeof(updates[name]).sharding.spec
+                        assert _stripped(got) == _stripped(specs.get(name, P())), name
         return outputs
 
-    alone = run(build(), {"w": params["w"]})
+    alone = run(build(), {name: params[name] for name in GIVEN})
     wrapped = run(_wrappers(build)[wrapper], params)
     for got, expected in zip(wrapped, alone, strict=True):
-        np.testing.assert_array_equal(got, expected)
+        for name in GIVEN:
+            assert got[name].dtype == dtype, name
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def _stripped(spec: P) -> tuple:
+    """A partition spec without its trailing Nones."""
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return tuple(parts)

@@ -118,14 +118,12 @@ def check_codec_state(
     expected = jax.eval_shape(
         lambda: config.codec.init(coded_shapes, _random.seed_state(0))
     )
-    if jax.tree.structure(expected) != jax.tree.structure(codec_state):
-        raise ValueError(
-            f"{config.caller}: the state's codec part has the structure "
-            f"{jax.tree.structure(codec_state)}, but {config.codec.name} keeps "
-            f"{jax.tree.structure(expected)} for these params: the state was "
-            "made for another codec. Initialize it with this transformation's "
-            "init (and restore a checkpoint into that target)."
-        )
+    _checks.made_like(
+        codec_state,
+        expected,
+        f"{config.caller}: the state's codec part for {config.codec.name}",
+        "codec",
+    )
 
 
 def reduce_with_codec(
