@@ -14,8 +14,9 @@ Three more questions about where arrays lie are answered here: whether a
 param is split over an axis its gradient must be summed over
 (`check_not_sharded_over`), which mesh a concrete state lives on, for
 host-side calls made outside ``jax.set_mesh`` (`on_mesh_of`), and how to
-run a computation where its operands lie when XLA's partitioner would
-move them (`on_each_device`).
+run a computation, or have a collective move its operands, where they lie
+when XLA's partitioner would move them (`on_each_device`,
+`held_by_each_device`).
 """
 
 from __future__ import annotations
@@ -272,3 +273,21 @@ def on_each_device(fn: Any, *args: Any) -> Any:
     return jax.shard_map(
         fn, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False
     )(*args)
+
+
+def held_by_each_device(tree: Any) -> Any:
+    """``tree``, its arrays laid out as each device holds them.
+
+    The companion of `on_each_device` for a collective's operands and
+    results: where mesh axes are not manual (``diloco``'s maps over
+    stacked workers and over a leaf's blocks), a collective over the
+    workers' mapped axis is a transpose of the stacked array, which XLA's
+    partitioner may lay out anywhere, moving the operations around it to
+    the other side (an all-to-all of top-k's packed words became one of
+    their unpacked int32 indices and float32 values). Constrained on both
+    sides, the collective moves what it was given. Elsewhere (``pmap``, a
+    manual ``shard_map``) ``tree`` is returned as it is.
+    """
+    if not axes_typed(AxisType.Explicit, AxisType.Auto):
+        return tree
+    return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, P()), tree)

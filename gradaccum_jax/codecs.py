@@ -14,7 +14,9 @@ window_reduction=)`` on a mesh); write one against
 - `quantized`: 8-bit integers or 4-bit E2M1 floats, a power-of-two scale
   per block of 32;
 - `topk`: the largest entries of each chunk of 4096, in 2 to 32 bits with
-  their indices, all-gathered;
+  their indices, all-gathered, or summed by each shard's owner
+  (``collective="reduce_scatter"``: about two payloads received per
+  device, whatever their number);
 - `powersgd`: a warm-started rank-r product per matrix.
 
 Scanned leaves: a leaf of rank 3 or more is a stack of layers along its

@@ -39,7 +39,7 @@ EVERY_K = 3
 MICRO_STEPS = 7
 PER_DEVICE_BATCH = 6
 IN_FEATURES, OUT_FEATURES = 32, 16  # w has 512 elements: ternary-compressed.
-KINDS = ("adam", "ternary", "topk")
+KINDS = ("adam", "ternary", "topk", "topk-reduce-scatter")
 # The jax.jit path: "jit" trains on an Explicit and on an Auto mesh.
 JIT_AXIS = "data"
 JIT_MESHES = ("explicit", "auto")
@@ -117,6 +117,13 @@ def make_optimizer(kind: str):
         inner = optax.chain(
             ga.compressed_average_across_devices(AXIS, ga.codecs.topk(0.1, bits=4)),
             optax.sgd(0.05),
+        )
+    elif kind == "topk-reduce-scatter":
+        # The same through the shards' owners: an all-to-all between the
+        # processes, each owner's selection of its shard's sum gathered.
+        codec = ga.codecs.topk(0.1, bits=4, collective="reduce_scatter")
+        inner = optax.chain(
+            ga.compressed_average_across_devices(AXIS, codec), optax.sgd(0.05)
         )
     else:
         raise ValueError(f"unknown kind {kind!r}, expected one of {KINDS}")

@@ -57,7 +57,7 @@ def _received_bytes(compiled):
         n = op.group_size
         if op.kind == "all-reduce":
             total += 2 * (n - 1) / n * op.nbytes
-        elif op.kind == "all-gather":
+        elif op.kind in ("all-gather", "all-to-all"):
             total += (n - 1) / n * op.nbytes
         else:
             raise AssertionError(f"unexpected {op.kind}")
@@ -85,10 +85,33 @@ RING = 2 * (N - 1) / N
         # 64 of each chunk of 4096 (1/64), index and 2-bit code in a uint16,
         # a float32 scale per chunk; gathered from the 8 devices.
         (codecs.topk(1 / 64), (N - 1) / N * N * 2 * (64 * 2 + 4), 0.05),
+        # The same density through the shards' owners: each device owns a
+        # shard of 1024 elements (one chunk, 16 entries and a scale), sent
+        # to it by the others (an all-to-all) and gathered from it after
+        # its own selection: 2 (n - 1) / n of the 8 shards' payloads.
+        (
+            codecs.topk(1 / 64, collective="reduce_scatter"),
+            RING * N * (16 * 2 + 4),
+            0.03,
+        ),
+        # The owners sending 1/16 of their shards' sums: 64 entries a chunk
+        # in the all-gather.
+        (
+            codecs.topk(1 / 64, collective="reduce_scatter", owner_density=1 / 16),
+            (N - 1) / N * N * ((16 * 2 + 4) + (64 * 2 + 4)),
+            0.04,
+        ),
         # P (64 x 4) and Q (128 x 4), two all-reduces.
         (codecs.powersgd(4), RING * 4 * (64 * 4 + 128 * 4), 0.11),
     ],
-    ids=["int8", "e2m1", "topk", "powersgd"],
+    ids=[
+        "int8",
+        "e2m1",
+        "topk",
+        "topk-reduce-scatter",
+        "topk-reduce-scatter-owners-1/16",
+        "powersgd",
+    ],
 )
 def test_wire_bytes_from_the_compiled_hlo(codec, coded_bytes, fraction):
     shapes = {"w": SHAPES["w"], "b": SHAPES["b"]}
@@ -141,9 +164,10 @@ def _running_mean_errors(tx, steps, grads):
         codecs.ternary(),
         codecs.quantized(bits=4),
         codecs.topk(0.05),
+        codecs.topk(0.05, collective="reduce_scatter"),
         codecs.powersgd(2),
     ],
-    ids=["ternary", "e2m1", "topk", "powersgd"],
+    ids=["ternary", "e2m1", "topk", "topk-reduce-scatter", "powersgd"],
 )
 def test_error_feedback_loses_nothing_over_time(codec):
     """The running mean of the means tends to the true mean like 1/T: from
@@ -327,6 +351,40 @@ def test_topk_at_full_density_and_32_bits_is_the_float32_mean():
     chex.assert_trees_all_equal(means, exact)
 
 
+def test_topk_through_the_owners_is_exact_where_each_shard_sum_fits_k():
+    """Through the shards' owners the sum is selected twice; where the
+    devices share a support of at most ``k`` entries per chunk, both
+    selections keep everything: the float32 mean, nothing left over."""
+    shapes = {"w": (64, 128), "b": (128,)}
+    rng = np.random.default_rng(4)
+    # Shards of 1024 elements, one chunk each, k = 1024 / 16 = 64.
+    support = np.stack([rng.permutation(1024)[:64] for _ in range(N)])
+    mask = np.zeros((N, 1024), bool)
+    mask[np.arange(N)[:, None], support] = True
+    grads = _grads(6, shapes)
+    grads["w"] = grads["w"] * mask.reshape(64, 128)
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.topk(1 / 16, bits=32, collective="reduce_scatter")
+    )
+    means, state = jax.pmap(tx.update, axis_name="i")(
+        grads, _replicate(tx.init(_params(shapes)))
+    )
+    exact = jax.pmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")(grads)
+    chex.assert_trees_all_close(means, exact, rtol=1e-6, atol=1e-7)
+    assert np.count_nonzero(means["w"][0]) == 8 * 64
+    assert np.abs(state.residual["w"]).max() < 1e-6
+
+
+def test_an_owner_density_without_the_owners_is_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"`owner_density` is the owners' share .* only "
+        r"collective='reduce_scatter' selects; got owner_density=0.1 with "
+        r"collective='all_gather'",
+    ):
+        codecs.topk(0.05, owner_density=0.1)
+
+
 def test_powersgd_warmup_sends_float32_means_then_factors():
     """The first ``warmup`` calls return the float32 mean, keep no residual
     and leave Q as it was; the next call sends rank-2 factors. Both sit in
@@ -472,10 +530,17 @@ def test_a_state_made_for_another_codec_is_refused(made_with, used_with):
 
 # --- weights and non-finite devices ---------------------------------------
 
-DROPPED = [codecs.quantized(bits=8), codecs.topk(0.02), codecs.powersgd(2)]
+DROPPED = [
+    codecs.quantized(bits=8),
+    codecs.topk(0.02),
+    codecs.topk(0.02, collective="reduce_scatter"),
+    codecs.powersgd(2),
+]
 
 
-@pytest.mark.parametrize("codec", DROPPED, ids=["int8", "topk", "powersgd"])
+@pytest.mark.parametrize(
+    "codec", DROPPED, ids=["int8", "topk", "topk-reduce-scatter", "powersgd"]
+)
 def test_a_zero_weight_device_with_nan_gradients_contributes_nothing(codec):
     tx = ga.compressed_average_across_devices("i", codec)
     grads = _grads(5)
@@ -643,6 +708,27 @@ WINDOW_CASES = {
         FSDP,
         jnp.float32,
         codecs.topk(0.25, bits=4),
+    ),
+    "2d-explicit-tp-bf16-topk-reduce-scatter": (
+        ((4, 2), ("data", "model")),
+        AxisType.Explicit,
+        TP,
+        jnp.bfloat16,
+        codecs.topk(0.25, bits=4, collective="reduce_scatter"),
+    ),
+    "1d-auto-replicated-f32-topk-reduce-scatter": (
+        ((8,), ("data",)),
+        AxisType.Auto,
+        REPLICATED,
+        jnp.float32,
+        codecs.topk(0.1, collective="reduce_scatter"),
+    ),
+    "2d-auto-tp-f32-topk-reduce-scatter": (
+        ((4, 2), ("data", "model")),
+        AxisType.Auto,
+        TP,
+        jnp.float32,
+        codecs.topk(0.1, collective="reduce_scatter"),
     ),
     "2d-explicit-tp-bf16-powersgd-warmup": (
         ((4, 2), ("data", "model")),
@@ -886,14 +972,20 @@ def test_topk_searches_a_large_leaf_a_batch_of_chunks_at_a_time():
     np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.parametrize("bits", [2, 32])
-def test_topk_keeps_its_residual_without_a_float_copy_of_the_leaf(bits):
+@pytest.mark.parametrize(
+    ("bits", "collective"),
+    [(2, "all_gather"), (32, "all_gather"), (2, "reduce_scatter")],
+)
+def test_topk_keeps_its_residual_without_a_float_copy_of_the_leaf(bits, collective):
     """The entries a device sent are a select over its input, fused into its
     residual: what stays is the magnitudes the top-k search reads (a float32
     leaf) and the mask of sent entries (a byte an element), 1.51x the
-    leaf's bytes; the sent entries scattered into zeros took 3.26x."""
+    leaf's bytes; the sent entries scattered into zeros took 3.26x. Through
+    the owners, 1.67x: the owner's shard (1/8 of the leaf) in and out."""
     shapes = {"w": (512, 2048)}
-    tx = ga.compressed_average_across_devices("i", codecs.topk(0.01, bits=bits))
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.topk(0.01, bits=bits, collective=collective)
+    )
     compiled = _compiled_mean(tx, shapes)
     assert compiled.memory_analysis().temp_size_in_bytes < 1.75 * 4 * 512 * 2048
 
@@ -1012,17 +1104,17 @@ def test_topk_searches_a_tensor_parallel_block_in_batches_where_it_lies(
     """A leaf split over `model` on a 2-D Explicit mesh: each device's block
     of 64 chunks searched 24 chunks at a time (batches from 0, 24 and 40)
     sends what one search of all 64 sends, bitwise, and keeps its split."""
-    from gradaccum_jax._codecs import _topk
+    from gradaccum_jax._codecs import _chunks
 
     mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
     grads = np.random.default_rng(10).standard_normal((4, 64, 8192))
     spec = P("data", None, "model")
-    whole, batched = _topk._TOP_K_ROWS, 24
+    whole, batched = _chunks.TOP_K_ROWS, 24
     results = {}
     with jax.set_mesh(mesh):
         placed = jax.device_put(grads.astype(np.float32), spec)
         for rows in (whole, batched):
-            monkeypatch.setattr(_topk, "_TOP_K_ROWS", rows)
+            monkeypatch.setattr(_chunks, "TOP_K_ROWS", rows)
             tx = ga.compressed_average_across_devices("data", codecs.topk(0.01))
             results[rows] = _row_mean_step(tx)(placed)
             assert _spec(results[rows]) == _spec(spec)

@@ -377,6 +377,18 @@ TABLE: list[Row] = [
         (1, 3, 16, 64, 2.0, "2", True, None),
         r"must be 2, 4, 8 or 32, got",
     ),
+    Row(
+        "codecs.topk",
+        "collective",
+        ("all-gather", "psum", "", None, 1, True),
+        r"one of 'all_gather', 'reduce_scatter'",
+    ),
+    Row(
+        "codecs.topk",
+        "owner_density",
+        (0, 0.0, -0.1, 1.01, NAN, INF, "0.1", True),
+        r"number in \(0, 1\]",
+    ),
     Row("codecs.powersgd", "rank", BAD_COUNTS, INTEGER_GE_1),
     Row(
         "codecs.powersgd",

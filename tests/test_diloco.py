@@ -882,6 +882,8 @@ def _codec_diloco_step(reduction, mesh):
         ("e2m1", AxisType.Auto),
         ("topk", AxisType.Explicit),
         ("topk", AxisType.Auto),
+        ("topk-reduce-scatter", AxisType.Explicit),
+        ("topk-reduce-scatter", AxisType.Auto),
     ],
     ids=[
         "ternary-explicit",
@@ -889,6 +891,8 @@ def _codec_diloco_step(reduction, mesh):
         "e2m1-auto",
         "topk-explicit",
         "topk-auto",
+        "topk-reduce-scatter-explicit",
+        "topk-reduce-scatter-auto",
     ],
 )
 def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec, axis_type):
@@ -916,18 +920,27 @@ def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec, axis_
         "topk": lambda: ga.compressed_average_across_devices(
             "data", ga.codecs.topk(0.01)
         ),
+        "topk-reduce-scatter": lambda: ga.compressed_average_across_devices(
+            "data", ga.codecs.topk(0.01, collective="reduce_scatter")
+        ),
     }[codec]()
     compiled, f32_share = _codec_diloco_step(reduction, mesh)
     plain, _ = _codec_diloco_step(None, mesh)
     for program in (compiled, plain):
         moves = ga.measure.collectives(program, mesh)
         gathers = [c for c in moves if c.kind != "all-reduce"]
-        if codec == "topk" and program is compiled:  # its payloads, over `data`
+        if codec.startswith("topk") and program is compiled:  # over `data`
             assert {c.axes for c in gathers} == {("data",)}, gathers
             # All it receives: the uint16 entries and float32 scales of 1 %
             # of each block (3,128 bytes, 1/95 of the float32 share), not
-            # widened, and nothing decoded moves.
+            # widened, and nothing decoded moves. Through the owners the
+            # all-to-all and the all-gather each move both workers' shards'
+            # payloads (3,140 bytes in all; 7,512 when XLA unpacked the
+            # words before the all-to-all, sending int32 and float32).
             assert sum(c.nbytes for c in moves) <= f32_share / 50, moves
+            if codec == "topk-reduce-scatter":
+                sent = {s.split("[")[0] for c in gathers for s in c.shapes}
+                assert sent == {"u16", "f32"}, gathers
         else:
             assert gathers == []
     found = ga.measure.collectives(compiled, mesh)
@@ -939,7 +952,7 @@ def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec, axis_
     plain_temp = plain.memory_analysis().temp_size_in_bytes
     # Top-k adds its padded chunks and the dense sum decoded from both
     # workers' payloads: about 3.4 such buffers (measured).
-    buffers = 4 if codec == "topk" else 1.5
+    buffers = 4 if codec.startswith("topk") else 1.5
     assert temp <= plain_temp + buffers * f32_share, (temp, plain_temp, f32_share)
 
 
@@ -989,6 +1002,8 @@ def _per_call_arrays(codec, axis_type):
         (ga.codecs.topk(0.01), AxisType.Auto),
         (ga.codecs.powersgd(2), AxisType.Auto),
         (ga.codecs.quantized(bits=4), AxisType.Auto),
+        (ga.codecs.topk(0.01, collective="reduce_scatter"), AxisType.Explicit),
+        (ga.codecs.topk(0.01, collective="reduce_scatter"), AxisType.Auto),
     ],
     ids=[
         "e2m1-explicit",
@@ -997,6 +1012,8 @@ def _per_call_arrays(codec, axis_type):
         "topk-auto",
         "powersgd-auto",
         "e2m1-auto",
+        "topk-reduce-scatter-explicit",
+        "topk-reduce-scatter-auto",
     ],
 )
 def test_a_call_that_does_not_sync_makes_what_float32_diloco_makes(codec, axis_type):

@@ -1,39 +1,59 @@
 """`codecs.topk`: the largest entries of each chunk, quantized, indices packed.
 
-Each device sends, per chunk of `CHUNK` consecutive elements of a leaf,
-its ``k = ceil(density * chunk)`` entries of largest magnitude (SparseLoCo,
+Each device sends, per chunk of 4096 consecutive elements of a leaf, its
+``k = ceil(density * chunk)`` entries of largest magnitude (SparseLoCo,
 arXiv 2508.15706; DeMo, arXiv 2411.19870): each entry's index in its chunk
 and its value, quantized to ``bits`` against the chunk's largest magnitude,
 packed together in one uint16 (or uint32) word, plus one float32 scale per
-chunk. Sparse sums do not compose in an all-reduce (the devices' supports
-differ), so the payloads are all-gathered and every device adds them up in
-the same order; where the gather would move more bytes than a float32
-all-reduce of the leaf (a high density, many devices), each device's
-decoded entries are summed by that all-reduce instead. Error feedback keeps
-everything that was not sent: the other entries, and the values' rounding.
+chunk (the payload of `_chunks`). Error feedback keeps everything that was
+not sent: the other entries, and the values' rounding.
+
+Sparse sums do not compose in an all-reduce (the devices' supports
+differ). Two collectives sum them:
+
+- ``"all_gather"``: the payloads are all-gathered and every device adds
+  them up in the same order. The sum is exact over what was sent; each
+  device receives ``n - 1`` payloads.
+- ``"reduce_scatter"`` (a sparse reduce-scatter, as Ok-Topk, Li and
+  Hoefler 2022): the leaf is cut into ``n`` shards, one per device, its
+  owner. Each device sends each owner the top-k of its shard (an
+  all-to-all); the owner adds them to its own input there, taken whole,
+  selects the top-k of that sum (at a density of its own) and the owners'
+  selections are all-gathered. About two payloads received per device,
+  whatever ``n``. What an owner does not send of its shard's sum stays in
+  its own residual (it is part of the owner's share: see `_owners_sum`),
+  so error feedback still loses nothing.
+
+Where either would move more bytes than a float32 all-reduce of the leaf
+(a high density, many devices for ``"all_gather"``), each device's decoded
+entries are summed by that all-reduce instead.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gradaccum_jax import _checks, _placement
+from gradaccum_jax._codecs import _chunks
 from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least, no_state
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 
-# Elements per chunk (SparseLoCo's); 12 index bits.
-CHUNK = 4096
-
 _BITS = (2, 4, 8, 32)
+_COLLECTIVES = ("all_gather", "reduce_scatter")
 
 
-def topk(density: float, bits: int = 2, *, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
+def topk(
+    density: float,
+    bits: int = 2,
+    *,
+    min_size: int = DEFAULT_MIN_SIZE,
+    collective: str = "all_gather",
+    owner_density: float | None = None,
+) -> Codec:
     """The top ``density`` of each chunk by magnitude, values in ``bits``.
 
     Per chunk of 4096 elements (a smaller leaf is one chunk) each device
@@ -42,248 +62,231 @@ def topk(density: float, bits: int = 2, *, min_size: int = DEFAULT_MIN_SIZE) -> 
     ``s * m / 2**(bits - 1)``, ``m = 1 .. 2**(bits - 1)``, ``s`` the chunk's
     largest (rounded to nearest: 2 bits send ``s / 2`` or ``s``); 32 bits
     send the float32 value. Index and code share one uint16 word where
-    they fit (12 + 2 or 4 bits), else a uint32. The payloads are
-    all-gathered (or summed densely by a float32 all-reduce where that
-    moves fewer bytes). Top-k is biased: use it with error feedback, which
-    keeps everything not sent.
+    they fit (12 + 2 or 4 bits), else a uint32. Top-k is biased: use it
+    with error feedback, which keeps everything not sent.
+
+    ``collective`` says how the devices' entries are summed:
+
+    - ``"all_gather"`` (default): every device's payload is all-gathered
+      and added up on every device, exactly. Each device receives ``n - 1``
+      payloads over ``n`` devices: the bytes grow with the devices.
+    - ``"reduce_scatter"``: each of the ``n`` devices owns ``1 / n`` of
+      each leaf (its chunks are cut within the shard, so a shard of fewer
+      than 4096 elements is one chunk). Each device sends every owner the
+      top ``density`` of its shard (an all-to-all); the owner adds them
+      to its own input there, selects the top ``owner_density`` of that
+      sum and the owners' selections are all-gathered: each device
+      receives ``(n - 1) / n`` of the ``n`` shards' payloads twice, as in
+      an all-reduce of a payload, whatever ``n``. The sum is selected
+      twice: what an owner does not send of its shard's sum is kept in
+      that owner's residual, for its next call.
+
+    Either falls back to a float32 all-reduce of the sent entries for a
+    leaf where that receives fewer bytes (a high density).
 
     Example:
 
     >>> from gradaccum_jax import codecs
     >>> codecs.topk(0.01)
     topk(density=0.01, bits=2, min_size=256)
+    >>> codecs.topk(0.035, collective="reduce_scatter")
+    topk(density=0.035, bits=2, min_size=256, collective='reduce_scatter')
 
     Args:
-      density: the fraction of each chunk sent, in (0, 1].
+      density: the fraction of each chunk a device sends, in (0, 1].
       bits: 2, 4, 8 or 32 per value.
       min_size: leaves with fewer elements are summed exactly in float32.
+      collective: ``"all_gather"`` or ``"reduce_scatter"``, as above.
+      owner_density: with ``"reduce_scatter"``, the fraction of each chunk
+        of its shard's sum an owner sends, in (0, 1] (default
+        ``density``). The sum of ``n`` devices' entries holds up to ``n``
+        times as many: a larger share sends more of it for the bytes of
+        the second hop alone.
 
     Returns:
       A `gradaccum_jax.extend.Codec`.
     """
-    if (
-        isinstance(density, bool)
-        or not isinstance(density, numbers.Real)
-        or not 0 < density <= 1
-    ):
-        raise ValueError(f"`density` must be a number in (0, 1], got {density!r}.")
+    density = _density("density", density)
     bits = _checks.integer_in("bits", bits, _BITS)
     min_size = _checks.nonnegative_int("min_size", min_size)
+    collective = _checks.one_of("collective", collective, _COLLECTIVES)
+    if owner_density is not None:
+        owner_density = _density("owner_density", owner_density)
+        if collective != "reduce_scatter":
+            raise ValueError(
+                "`owner_density` is the owners' share of their shards' sums, "
+                "which only collective='reduce_scatter' selects; got "
+                f"owner_density={owner_density!r} with collective={collective!r}."
+            )
+    selection = _Selection(
+        density,
+        bits,
+        collective,
+        density if owner_density is None else owner_density,
+    )
+    route = _gather_sum if collective == "all_gather" else _owners_sum
 
     def codec_sum(inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire):
         del key
-        encoded = [_encode(x, density, bits) for x in inputs]
-        payloads = [(entries, scale) for entries, scale, _ in encoded]
-        sent = [
-            _sent(x, index, scale, density, bits)
-            for (_, scale, index), x in zip(encoded, inputs, strict=True)
+        coded = [
+            route(x, selection, wire)
+            if _received_bytes(selection, x.size, wire.num_devices)
+            < _dense_bytes(x.size, wire.num_devices)
+            else None
+            for x in inputs
         ]
-        gathered = {
-            j: jax.lax.all_gather(p, wire.axis)
-            for j, p in enumerate(payloads)
-            if _gathers(inputs[j], density, bits, wire.num_devices)
-        }
-        dense = [j for j in range(len(inputs)) if j not in gathered]
-        dense_sums = dict(
-            zip(dense, _psum_list([sent[j] for j in dense], wire.axis), strict=True)
+        # The other leaves' sent entries go through one float32 all-reduce.
+        dense = [j for j, leaf in enumerate(coded) if leaf is None]
+        dense_sent = [_dense_sent(inputs[j], selection) for j in dense]
+        dense_sums = _psum_list(dense_sent, wire.axis)
+        for j, sent, total in zip(dense, dense_sent, dense_sums, strict=True):
+            coded[j] = _Leaf(total, sent, jnp.all(jnp.isfinite(total)))
+        return CodecSum(
+            [leaf.sum for leaf in coded],
+            [leaf.sent for leaf in coded],
+            [leaf.finite for leaf in coded],
+            state,
         )
-        sums, finite = [], []
-        for j, x in enumerate(inputs):
-            if j in gathered:
-                entries, scales = gathered[j]
-                sums.append(
-                    _placement.on_each_device(
-                        lambda e, s, x=x: _decode(e, s, x, density, bits),
-                        entries,
-                        scales,
-                    )
-                )
-                finite.append(jnp.all(jnp.isfinite(scales)))
-            else:
-                sums.append(dense_sums[j])
-                finite.append(jnp.all(jnp.isfinite(dense_sums[j])))
-        return CodecSum(sums, sent, finite, state)
 
+    options = ""
+    if collective != "all_gather":
+        options = f", collective={collective!r}"
+    if owner_density is not None:
+        options += f", owner_density={selection.owner_density}"
     return Codec(
-        f"topk(density={density}, bits={bits}, min_size={min_size})",
+        f"topk(density={density}, bits={bits}, min_size={min_size}{options})",
         at_least(min_size),
         no_state,
         codec_sum,
     )
 
 
-def _layout(size: int, density: float) -> tuple[int, int, int]:
-    """``(chunks, chunk, k)`` for a leaf of ``size`` elements."""
-    chunk = min(CHUNK, size)
-    return -(-size // chunk), chunk, min(chunk, max(1, math.ceil(density * chunk)))
+def _density(name: str, value: Any) -> float:
+    """``value``, a fraction in (0, 1], or a ValueError naming ``name``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 < value <= 1
+    ):
+        raise ValueError(f"`{name}` must be a number in (0, 1], got {value!r}.")
+    return value
 
 
-def _entry_dtype(chunk: int, bits: int) -> Any:
-    """The word holding an index and its code (its index alone for 32 bits)."""
-    used = max(chunk - 1, 1).bit_length() + (0 if bits == 32 else bits)
-    return jnp.uint16 if used <= 16 else jnp.uint32
+class _Selection(NamedTuple):
+    """A top-k codec's settings (see `topk`)."""
+
+    density: float
+    bits: int
+    collective: str
+    owner_density: float
 
 
-def payload_nbytes(size: int, density: float, bits: int) -> int:
-    """The bytes one device sends for a leaf of ``size`` elements."""
-    chunks, chunk, k = _layout(size, density)
-    entry = np.dtype(_entry_dtype(chunk, bits)).itemsize + (4 if bits == 32 else 0)
-    return chunks * (k * entry + 4)
-
-
-def _gathers(x: jax.Array, density: float, bits: int, num_devices: int) -> bool:
-    """Whether gathering the payloads receives fewer bytes than a float32
-    all-reduce of the leaf (ring estimates: ``(n - 1) payload`` against
-    ``2 (n - 1) / n * 4 size``)."""
-    gather = (num_devices - 1) * payload_nbytes(x.size, density, bits)
-    return gather < 2 * (num_devices - 1) / num_devices * 4 * x.size
-
-
-def _chunked(x: jax.Array, density: float) -> jax.Array:
-    """``x`` flat, padded with zeros to whole chunks, as rows of a chunk."""
-    chunks, chunk, _ = _layout(x.size, density)
-    return jnp.pad(x.reshape(-1), (0, chunks * chunk - x.size)).reshape(chunks, chunk)
-
-
-def _encode(
-    x: jax.Array, density: float, bits: int
-) -> tuple[Any, jax.Array, jax.Array]:
-    """This device's payload, ``entries`` and ``scales`` per chunk, and the
-    int32 indices of the entries it sent in each chunk."""
-    _, chunk, k = _layout(x.size, density)
-    flat = _chunked(x, density)
-    index = _top_k_indices(flat, k)
-    values = jnp.take_along_axis(flat, index, axis=1)
-    scale = jnp.max(jnp.abs(values), axis=1)
-    # A chunk holding a NaN or an infinity gets an infinite scale, which
-    # every device sees in the gathered scales.
-    scale = jnp.where(jnp.all(jnp.isfinite(flat), axis=1), scale, jnp.inf)
-    dtype = _entry_dtype(chunk, bits)
-    if bits == 32:
-        return (index.astype(dtype), values), scale, index
-    levels = 2 ** (bits - 1)
-    magnitude = _magnitude(values, scale, levels)
-    code = (magnitude.astype(jnp.uint32) - 1) | jnp.where(values < 0, levels, 0).astype(
-        jnp.uint32
+def _received_bytes(selection: _Selection, size: int, num_devices: int) -> float:
+    """What each device receives to sum a leaf of ``size`` elements with
+    ``selection`` (ring estimates: an all-gather or all-to-all of ``S``
+    bytes in all receives ``(n - 1) / n S``)."""
+    n, bits = num_devices, selection.bits
+    if selection.collective == "all_gather":
+        return (n - 1) * _chunks.payload_nbytes(
+            _chunks.leaf_layout(size, selection.density), bits
+        )
+    # The all-to-all and the all-gather each move n shards' payloads.
+    shard = _chunks.shard_layout(size, selection.density, n)
+    owners = shard._replace(
+        k=_chunks.entries_per_chunk(shard.chunk, selection.owner_density)
     )
-    index_bits = max(chunk - 1, 1).bit_length()
-    # Built in the entry's own dtype: a narrowing convert after the
-    # packing is moved by XLA after the all-gather, which then carries
-    # uint32 words (twice the bytes of uint16 entries).
-    return index.astype(dtype) | (code.astype(dtype) << index_bits), scale, index
-
-
-def _magnitude(values: jax.Array, scale: jax.Array, levels: int) -> jax.Array:
-    """Each value's magnitude in levels of its chunk's ``scale``, in [1,
-    ``levels``] (rounded to nearest), as floats."""
-    safe = jnp.where((scale > 0) & jnp.isfinite(scale), scale, 1.0)[:, None]
-    return jnp.clip(jnp.round(jnp.abs(values) / safe * levels), 1, levels)
-
-
-def _value(
-    negative: jax.Array, magnitude: jax.Array, scale: jax.Array, levels: int
-) -> jax.Array:
-    """The value a code stands for: its sign, magnitude and chunk's scale."""
-    sign = jnp.where(negative, -1.0, 1.0)
-    return sign * (magnitude / levels) * scale[..., None]
-
-
-def _sent(
-    x: jax.Array, index: jax.Array, scale: jax.Array, density: float, bits: int
-) -> jax.Array:
-    """This device's payload as the others decode it, shaped like ``x``.
-
-    Written as a select over ``x``'s chunks (the decoded value where an
-    entry was sent, else 0), not as a scatter into zeros: the caller's
-    residual ``x - sent`` then fuses into one pass with no float buffer
-    the size of the leaf, only the mask of sent entries (a byte an
-    element). Each sent value is the float `_decode` adds up.
-    """
-    chunks, chunk, _ = _layout(x.size, density)
-    flat = _chunked(x, density)
-    rows = jnp.arange(chunks)[:, None]
-    mask = (
-        jnp.zeros((chunks, chunk), jnp.bool_)
-        .at[rows, index]
-        .set(True, unique_indices=True)
+    return (n - 1) * (
+        _chunks.payload_nbytes(shard, bits) + _chunks.payload_nbytes(owners, bits)
     )
-    if bits == 32:
-        decoded = flat
-    else:
-        levels = 2 ** (bits - 1)
-        decoded = _value(flat < 0, _magnitude(flat, scale, levels), scale, levels)
-    return jnp.where(mask, decoded, 0.0).reshape(-1)[: x.size].reshape(x.shape)
 
 
-def _top_k_indices(flat: jax.Array, k: int) -> jax.Array:
-    """The indices of each chunk's (row's) ``k`` entries of largest
-    magnitude, computed where ``flat`` lies.
+def _dense_bytes(size: int, num_devices: int) -> float:
+    """What each device receives in a float32 all-reduce of ``size``."""
+    return 2 * (num_devices - 1) / num_devices * 4 * size
 
-    XLA's partitioner cannot split a TopK over a sharded batch dimension:
-    it gathers the operand whole to every device first (in ``diloco``'s
-    map over stacked workers, each worker's every chunk, over the workers'
-    and the ``model`` axes: 1 MiB per 512 KiB leaf on ``data`` 2 x
-    ``model`` 4). A sort would be split, but is some 40 times slower than
-    the TopK on CPU.
+
+class _Leaf(NamedTuple):
+    """One leaf's `CodecSum` parts."""
+
+    sum: jax.Array
+    sent: jax.Array
+    finite: jax.Array
+
+
+def _dense_sent(x: jax.Array, selection: _Selection) -> jax.Array:
+    """This device's top-k of ``x`` (chunked as for ``"all_gather"``) as
+    the others decode it, to be summed by a float32 all-reduce."""
+    layout = _chunks.leaf_layout(x.size, selection.density)
+    rows = _chunks.as_rows(x, layout)
+    _, scale, index = _chunks.encode(rows, layout.k, selection.bits)
+    return _chunks.from_rows(_chunks.sent(rows, index, scale, selection.bits), x)
+
+
+def _gather_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
+    """``"all_gather"``: every device's payload gathered and added up."""
+    layout, bits = _chunks.leaf_layout(x.size, selection.density), selection.bits
+    rows = _chunks.as_rows(x, layout)
+    entries, scale, index = _chunks.encode(rows, layout.k, bits)
+    entries, scales = jax.lax.all_gather((entries, scale), wire.axis)
+    total = _placement.on_each_device(
+        lambda e, s: _chunks.decode_sum(e, s, layout.chunk, bits), entries, scales
+    )
+    return _Leaf(
+        _chunks.from_rows(total, x),
+        _chunks.from_rows(_chunks.sent(rows, index, scale, bits), x),
+        jnp.all(jnp.isfinite(scales)),
+    )
+
+
+def _owners_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
+    """``"reduce_scatter"``: each shard's entries summed by its owner, the
+    owners' top-k gathered.
+
+    This device's share of the sum (`CodecSum.sent`) is what it sent the
+    other owners and, on its own shard, its input less what it did not
+    send of the shard's sum. The shares add up to the sum, and the
+    residual ``input - share`` keeps on the owner's shard everything its
+    selection left out, every device's entries included, for its next
+    call (which takes its own shard whole).
     """
-    return _placement.on_each_device(lambda x: _rows_top_k(x, k), flat)
+    n, bits = wire.num_devices, selection.bits
+    layout = _chunks.shard_layout(x.size, selection.density, n)
+    rows = _chunks.as_rows(x, layout._replace(chunks=n * layout.chunks))
+    entries, scale, index = _chunks.encode(rows, layout.k, bits)
+    sent = _chunks.sent(rows, index, scale, bits)
 
+    def to_owners(a: jax.Array) -> jax.Array:
+        by_owner = a.reshape(n, layout.chunks, *a.shape[1:])
+        return jax.lax.all_to_all(by_owner, wire.axis, 0, 0)
 
-# Chunks whose magnitudes one TopK reads at a time: 4 MiB of float32 at
-# chunks of 4096.
-_TOP_K_ROWS = 256
+    # Packed words on both sides of the all-to-all (see
+    # `_placement.held_by_each_device`).
+    received, received_scales = _placement.held_by_each_device(
+        jax.tree.map(to_owners, _placement.held_by_each_device((entries, scale)))
+    )
+    start = wire.device * layout.chunks
+    own = jax.lax.dynamic_slice_in_dim(rows, start, layout.chunks)
+    # Its own entries are in ``own``, whole; the others' added in order.
+    received_index, received_values = _chunks.decode_entries(
+        received, received_scales, layout.chunk, bits
+    )
+    others = jnp.arange(n) != wire.device
+    received_values = jnp.where(others[:, None, None], received_values, 0.0)
+    owned = _chunks.scatter_add(own, received_index, received_values)
 
-
-def _rows_top_k(flat: jax.Array, k: int) -> jax.Array:
-    """`_top_k_indices` on one device, `_TOP_K_ROWS` chunks at a time.
-
-    The TopK reads its operand from memory: the magnitudes of a whole leaf
-    would be a float32 buffer the leaf's size, those of a few chunks are
-    a few MiB. The last batch starts early enough to end at the last chunk
-    (it recomputes a few rows, to the same indices).
-    """
-    chunks = flat.shape[0]
-    if chunks <= _TOP_K_ROWS:
-        return jax.lax.top_k(jnp.abs(flat), k)[1]
-
-    def batch(i, index):
-        start = jnp.minimum(i * _TOP_K_ROWS, chunks - _TOP_K_ROWS)
-        rows = jax.lax.dynamic_slice_in_dim(flat, start, _TOP_K_ROWS)
-        top = jax.lax.top_k(jnp.abs(rows), k)[1]
-        return jax.lax.dynamic_update_slice_in_dim(index, top, start, 0)
-
-    batches = -(-chunks // _TOP_K_ROWS)
-    return jax.lax.fori_loop(0, batches, batch, jnp.zeros((chunks, k), jnp.int32))
-
-
-def _decode(
-    entries: Any, scales: jax.Array, like: jax.Array, density: float, bits: int
-) -> jax.Array:
-    """The dense sum of ``n`` devices' payloads (stacked on a leading axis),
-    shaped like ``like``; added device by device, in order, so that every
-    device computes the same float sums."""
-    chunks, chunk, k = _layout(like.size, density)
-    if bits == 32:
-        index, values = entries
-        index = index.astype(jnp.int32)
-    else:
-        levels = 2 ** (bits - 1)
-        index_bits = max(chunk - 1, 1).bit_length()
-        words = entries.astype(jnp.uint32)
-        index = (words & ((1 << index_bits) - 1)).astype(jnp.int32)
-        code = words >> index_bits
-        magnitude = ((code & (levels - 1)) + 1).astype(jnp.float32)
-        values = _value((code & levels) != 0, magnitude, scales, levels)
-    rows = jnp.arange(chunks)[:, None]
-    total = jnp.zeros((chunks, chunk), jnp.float32)
-    # One scatter-add per device, in order, into the sum itself: a device's
-    # indices are distinct within a chunk, so each element is added to in
-    # the devices' order, the same floats everywhere (a dense add of each
-    # device's scattered payload did the same in two passes over the leaf
-    # per device).
-    for d in range(values.shape[0]):
-        total = total.at[rows, index[d]].add(values[d], unique_indices=True)
-    return total.reshape(-1)[: like.size].reshape(like.shape)
+    k = _chunks.entries_per_chunk(layout.chunk, selection.owner_density)
+    owner_entries, owner_scale, owner_index = _chunks.encode(owned, k, bits)
+    owner_sent = _chunks.sent(owned, owner_index, owner_scale, bits)
+    sent = jax.lax.dynamic_update_slice_in_dim(sent, own - owned + owner_sent, start, 0)
+    entries, scales = jax.lax.all_gather((owner_entries, owner_scale), wire.axis)
+    total = _placement.on_each_device(
+        lambda e, s: _chunks.decode_shards(e, s, layout.chunk, bits), entries, scales
+    )
+    return _Leaf(
+        _chunks.from_rows(total, x),
+        _chunks.from_rows(sent, x),
+        jnp.all(jnp.isfinite(scales)),
+    )
 
 
 def _psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
