@@ -245,7 +245,7 @@ def low_communication(data: dict, path: Path, where: str) -> Path:
         f"{unit} per step, inner {data['inner']}\n({where})",
         fontsize=10,
     )
-    return _save(fig, path, rect=(0, 0, 1 - 2.6 / 15, 1))
+    return _save(fig, path, rect=(0, 0, 1 - 2.9 / 15, 1))
 
 
 def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
@@ -253,10 +253,12 @@ def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
     panel per task (record of ``bench_low_communication.py``), both as
     ratios to data parallel float32's in the same record, on log axes (a
     diverged method sits far above the rest)."""
-    fig, axes = plt.subplots(
-        1, len(records), figsize=(5 * len(records) + 2.5, 4.6), squeeze=False
-    )
     names = list(dict.fromkeys(name for data in records for name in data["curves"]))
+    # Tall enough for the legend: a line of 8 points per method and the band.
+    height = max(4.6, 0.16 * (len(names) + 1) + 0.6)
+    fig, axes = plt.subplots(
+        1, len(records), figsize=(5 * len(records) + 3.1, height), squeeze=False
+    )
     styles = low_communication_styles(names)
     legend = {}
     for ax, data in zip(axes[0], records, strict=True):
@@ -288,7 +290,7 @@ def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
     fig.legend(legend.values(), legend.keys(), loc="center right", fontsize=8)
     fig.suptitle(f"Loss against bytes, every method at the end of training ({where})",
                  fontsize=10)  # fmt: skip
-    return _save(fig, path, rect=(0, 0, 1 - 2.4 / (5 * len(records) + 2.5), 1))
+    return _save(fig, path, rect=(0, 0, 1 - 3.0 / (5 * len(records) + 3.1), 1))
 
 
 def scale(results: list[dict], path: Path, where: str) -> Path:

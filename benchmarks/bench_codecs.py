@@ -6,7 +6,7 @@ matrices of 1024 x 1024 and a 1024 bias) is compiled, and the bytes each
 device receives are read from its HLO with
 ``gradaccum_jax.measure.collectives``, every collective counted by the ring
 estimates (an all-reduce of S bytes over n devices 2 (n - 1) / n S, an
-all-gather of output S (n - 1) / n S); the float32 mean
+all-gather or all-to-all of S (n - 1) / n S); the float32 mean
 (``average_across_devices``) is the reference. Nothing runs.
 
 ``formats``: the relative squared error (``|Q(x) - x|^2 / |x|^2``) of
@@ -90,6 +90,11 @@ def wire_bytes() -> dict[str, float]:
         "topk(0.01)": ga.compressed_average_across_devices("i", codecs.topk(0.01)),
         "topk(0.01, bits=4)": ga.compressed_average_across_devices(
             "i", codecs.topk(0.01, bits=4)
+        ),
+        'topk(0.01, collective="reduce_scatter")': (
+            ga.compressed_average_across_devices(
+                "i", codecs.topk(0.01, collective="reduce_scatter")
+            )
         ),
         "powersgd(4)": ga.compressed_average_across_devices("i", codecs.powersgd(4)),
     }
@@ -387,7 +392,7 @@ def main() -> None:
         reference = received["float32 mean"]
         print(f"bytes each of {DEVICES} devices receives per mean (4.2M params):")
         for name, total in received.items():
-            print(f"  {name:20s} {total:12.0f}  1/{reference / total:.1f}")
+            print(f"  {name:40s} {total:12.0f}  1/{reference / total:.1f}")
     if args.part in ("steps", "all"):
         _emulate_devices()  # before jax.devices() starts the CPU backend
         import jax

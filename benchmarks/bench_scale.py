@@ -36,7 +36,8 @@ ternary outer gradients, 1 and 4 fragments (blocks of the scanned layers,
 ``fragment_axis``), on stacked workers (over ``dcn`` where the mesh has
 it, else ``data``); the window and DiLoCo (1 fragment) with a codec of
 `gradaccum_jax.codecs` (``compressed_window_reduction``,
-``compressed_average_across_devices``): top-k at 1 % in 2 bits, E2M1,
+``compressed_average_across_devices``): top-k at 1 % in 2 bits (all-gathered,
+and through the shards' owners: ``collective="reduce_scatter"``), E2M1,
 PowerSGD of rank 4. On request (``--paths``): the window fed by
 ``jax.grad`` of reduced params with the noise scale tracked, or with the
 ternary window reduction.
@@ -54,8 +55,8 @@ Output: a printed table, ``benchmarks/plots/scale.json`` and
 ``benchmarks/plots/scale.png``.
 
 Run: ``python benchmarks/bench_scale.py [--skip-70b] [--only NAME ...]
-[--paths PATH ...]``: 350 s (7.8 minutes of CPU time) on 2 CPU cores
-shared with other jobs; the 65B configuration's 17 compiles are about a
+[--paths PATH ...]``: 469 s on 2 CPU cores
+shared with other jobs; the 65B configuration's 19 compiles are about a
 fifth of it.
 """
 
@@ -88,18 +89,24 @@ PATHS = (
     "diloco ternary, F=1",
     "diloco ternary, F=4",
     "top-k window",
+    "top-k reduce-scatter window",
     "E2M1 window",
     "PowerSGD window",
     "diloco top-k, F=1",
+    "diloco top-k reduce-scatter, F=1",
     "diloco E2M1, F=1",
     "diloco PowerSGD, F=1",
 )
 # The codecs of the "<codec> window" and "diloco <codec>" paths: top-k at
-# SparseLoCo's 1 % in 2 bits, E2M1 (`quantized(bits=4)`), PowerSGD of rank 4.
+# SparseLoCo's 1 % in 2 bits (its payloads all-gathered, or summed through
+# the shards' owners), E2M1 (`quantized(bits=4)`), PowerSGD of rank 4.
 # Each is given `gradaccum_jax.codecs`, imported in the worker (after
 # XLA_FLAGS is set).
 CODECS = {
     "top-k": lambda codecs: codecs.topk(0.01),
+    "top-k reduce-scatter": lambda codecs: codecs.topk(
+        0.01, collective="reduce_scatter"
+    ),
     "E2M1": lambda codecs: codecs.quantized(bits=4),
     "PowerSGD": lambda codecs: codecs.powersgd(4),
 }
