@@ -128,23 +128,29 @@ def topk(
 
     def codec_sum(inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire):
         del key
-        coded = [
-            route(x, selection, wire)
+        # Each leaf through the route, or where the route would receive
+        # more than a float32 all-reduce of it, its sent entries through
+        # one such all-reduce.
+        dense = [
+            j
+            for j, x in enumerate(inputs)
             if _received_bytes(selection, x.size, wire.num_devices)
-            < _dense_bytes(x.size, wire.num_devices)
-            else None
-            for x in inputs
+            >= _dense_bytes(x.size, wire.num_devices)
         ]
-        # The other leaves' sent entries go through one float32 all-reduce.
-        dense = [j for j, leaf in enumerate(coded) if leaf is None]
         dense_sent = [_dense_sent(inputs[j], selection) for j in dense]
         dense_sums = _psum_list(dense_sent, wire.axis)
-        for j, sent, total in zip(dense, dense_sent, dense_sums, strict=True):
-            coded[j] = _Leaf(total, sent, jnp.all(jnp.isfinite(total)))
+        leaves = {
+            j: _Leaf(total, sent, jnp.all(jnp.isfinite(total)))
+            for j, sent, total in zip(dense, dense_sent, dense_sums, strict=True)
+        }
+        for j, x in enumerate(inputs):
+            if j not in leaves:
+                leaves[j] = route(x, selection, wire)
+        ordered = [leaves[j] for j in range(len(inputs))]
         return CodecSum(
-            [leaf.sum for leaf in coded],
-            [leaf.sent for leaf in coded],
-            [leaf.finite for leaf in coded],
+            [leaf.sum for leaf in ordered],
+            [leaf.sent for leaf in ordered],
+            [leaf.finite for leaf in ordered],
             state,
         )
 
@@ -163,11 +169,12 @@ def topk(
 
 def _density(name: str, value: Any) -> float:
     """``value``, a fraction in (0, 1], or a ValueError naming ``name``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not 0 < value <= 1
-    ):
+    fraction = (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and 0 < float(value) <= 1
+    )
+    if not fraction:
         raise ValueError(f"`{name}` must be a number in (0, 1], got {value!r}.")
     return value
 
