@@ -716,6 +716,13 @@ WINDOW_CASES = {
         jnp.bfloat16,
         codecs.topk(0.25, bits=4, collective="reduce_scatter"),
     ),
+    "2d-explicit-replicated-f32-topk-reduce-scatter": (
+        ((4, 2), ("data", "model")),
+        AxisType.Explicit,
+        REPLICATED,
+        jnp.float32,
+        codecs.topk(0.1, collective="reduce_scatter"),
+    ),
     "1d-auto-replicated-f32-topk-reduce-scatter": (
         ((8,), ("data",)),
         AxisType.Auto,
