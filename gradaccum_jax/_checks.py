@@ -93,6 +93,18 @@ def decay_rate(name: str, value: Any) -> float:
     return float(value)
 
 
+def fraction(name: str, value: Any) -> float:
+    """Returns ``value`` as a float, or raises unless it is in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"`{name}` must be a number in (0, 1], got {value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if not 0 < float(value) <= 1:
+        raise ValueError(f"`{name}` must be a number in (0, 1], got {value}.")
+    return float(value)
+
+
 def boolean(name: str, value: Any) -> bool:
     """Returns ``value``, or raises if it is not a bool (``"False"`` is truthy)."""
     if not isinstance(value, bool | np.bool_):

@@ -343,8 +343,13 @@ def test_powersgd_factors_a_split_projection_where_it_lies(spec, moves):
     assert moved["powersgd"] == moves, moved
 
 
-def test_topk_at_full_density_and_32_bits_is_the_float32_mean():
-    tx = ga.compressed_average_across_devices("i", codecs.topk(1.0, bits=32))
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_topk_at_full_density_and_32_bits_is_the_float32_mean(collective):
+    """Every entry in float32 moves more than a float32 all-reduce: both
+    collectives fall back to it, bitwise the float32 mean."""
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.topk(1.0, bits=32, collective=collective)
+    )
     grads = _grads(3)
     means, _ = jax.pmap(tx.update, axis_name="i")(grads, _replicate(tx.init(_params())))
     exact = jax.pmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")(grads)
@@ -723,6 +728,13 @@ WINDOW_CASES = {
         jnp.float32,
         codecs.topk(0.1, collective="reduce_scatter"),
     ),
+    "2d-auto-fsdp-bf16-topk-reduce-scatter": (
+        ((4, 2), ("data", "fsdp")),
+        AxisType.Auto,
+        FSDP,
+        jnp.bfloat16,
+        codecs.topk(0.25, bits=4, collective="reduce_scatter"),
+    ),
     "1d-auto-replicated-f32-topk-reduce-scatter": (
         ((8,), ("data",)),
         AxisType.Auto,
@@ -1000,23 +1012,42 @@ def test_topk_keeps_its_residual_without_a_float_copy_of_the_leaf(bits, collecti
 def test_topk_at_scale_gathers_only_its_payloads_and_searches_in_batches(tmp_path):
     """The 0.81B-param reference of benchmarks/bench_scale.py (24 scanned
     layers, tensor parallel over `model`, `data` 8 x `model` 8, compiled in
-    a process of its own): a top-k window and top-k DiLoCo gather nothing
-    but their payloads over `data` (8 devices' payloads, 2 % of a device's
-    float32 share of the params; a gathered param block would be 1/8 of it
-    or more), and their temporaries stay under what a search
-    of each device's whole block at once held (1.689 and 1.314 GiB; 1.463
-    and 1.270 with the search 256 chunks at a time)."""
-    paths = {"top-k window": 1.55, "diloco top-k, F=1": 1.29}
+    a process of its own): a top-k window and top-k DiLoCo, gathered or
+    through the shards' owners, move nothing but their packed payloads over
+    `data` (8 devices' payloads, 2 % of a device's float32 share of the
+    params; a gathered param block would be 1/8 of it or more), and their
+    temporaries stay under what a search of each device's whole block at
+    once held (1.689 and 1.314 GiB; 1.463 and 1.270 with the search 256
+    chunks at a time, 1.471 and 1.276 through the owners)."""
+    paths = {
+        "top-k window": 1.55,
+        "diloco top-k, F=1": 1.29,
+        "top-k reduce-scatter window": 1.55,
+        "diloco top-k reduce-scatter, F=1": 1.29,
+    }
     results = compiled_reference(tmp_path, *paths)
     share = 4 * 805_306_368 / 8  # float32 params over `model` 8, bytes
+    coded = {}
     for path, limit in paths.items():
         row = results[path]
         assert "error" not in row, row
-        gathers = [c for c in row["collectives"] if c["kind"] == "all-gather"]
-        assert gathers, path
-        assert {tuple(c["axes"]) for c in gathers} == {("data",)}, path
-        assert max(c["nbytes"] for c in gathers) < 0.05 * share, path
+        moves = [c for c in row["collectives"] if c["kind"] != "all-reduce"]
+        assert moves, path
+        assert {tuple(c["axes"]) for c in moves} == {("data",)}, path
+        assert max(c["nbytes"] for c in moves) < 0.05 * share, path
         assert row["temp_bytes"] < limit * 2**30, (path, row["temp_bytes"] / 2**30)
+        # Packed uint16 entries and float32 scales only, never unpacked.
+        assert {s.split("[")[0] for c in moves for s in c["shapes"]} == {
+            "u16",
+            "f32",
+        }, path
+        coded[path] = sum(c["nbytes"] for c in moves)
+    # Through the owners over `data` 8: 2 (n - 1) / n of the payloads
+    # against the gather's n - 1, a quarter of its buffers (4.03 MiB
+    # against 16.12 per window, window and DiLoCo alike).
+    for gathered in ("top-k window", "diloco top-k, F=1"):
+        owners = gathered.replace("top-k", "top-k reduce-scatter")
+        assert coded[owners] / coded[gathered] == pytest.approx(0.25, abs=0.01)
 
 
 def test_topk_adds_the_gathered_payloads_in_the_devices_order():

@@ -63,17 +63,6 @@ def payload_nbytes(layout: Chunks, bits: int) -> int:
     return layout.chunks * (layout.k * entry + 4)
 
 
-def as_rows(x: jax.Array, layout: Chunks) -> jax.Array:
-    """``x`` flat, padded with zeros to ``layout``'s rows."""
-    padded = layout.chunks * layout.chunk
-    return jnp.pad(x.reshape(-1), (0, padded - x.size)).reshape(-1, layout.chunk)
-
-
-def from_rows(rows: jax.Array, like: jax.Array) -> jax.Array:
-    """`as_rows` undone: the first elements, shaped like ``like``."""
-    return rows.reshape(-1)[: like.size].reshape(like.shape)
-
-
 def encode(rows: jax.Array, k: int, bits: int) -> tuple[Any, jax.Array, jax.Array]:
     """The payload of ``rows`` (chunks), ``entries`` and ``scales`` per
     chunk, and the int32 indices of the entries sent in each chunk."""

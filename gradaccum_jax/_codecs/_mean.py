@@ -20,7 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _tree, _weights
 from gradaccum_jax._codecs import _auto_blocks
-from gradaccum_jax._codecs._protocol import Codec, CodecState, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import (
+    Codec,
+    CodecState,
+    CodecSum,
+    Wire,
+    psum_list,
+)
 from gradaccum_jax._ternary import _blocks, _random
 from gradaccum_jax._ternary._leaves import NoResidual, keeps_no_array
 
@@ -263,12 +269,12 @@ def _exact(
     # NaN gradients contribute nothing (0 * NaN).
     if weight is None:
         raw = jnp.float32(1.0)
-        sums = _psum_list([leaves[i].astype(jnp.float32) for i in exact], config.axis)
+        sums = psum_list([leaves[i].astype(jnp.float32) for i in exact], config.axis)
         total = jnp.float32(num_devices)
     else:
         raw = _weights.scalar_weight(weight, config.caller)
         sums = [_weights.weighted(raw, leaves[i].astype(jnp.float32)) for i in exact]
-        total, *sums = _psum_list([raw, *sums], config.axis)
+        total, *sums = psum_list([raw, *sums], config.axis)
     if not config.mean:
         return (
             {i: s.astype(leaves[i].dtype) for i, s in zip(exact, sums, strict=True)},
@@ -282,8 +288,3 @@ def _exact(
         for i, leaf_sum in zip(exact, sums, strict=True)
     }
     return means, share, has_weight
-
-
-def _psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
-    """psum of several arrays in one (variadic) all-reduce."""
-    return list(jax.lax.psum(values, axis)) if values else []

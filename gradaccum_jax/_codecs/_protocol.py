@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from gradaccum_jax._ternary import _blocks, _random
@@ -120,6 +121,23 @@ def no_state(shapes: list[jax.ShapeDtypeStruct], key: jax.Array) -> tuple:
     """`Codec.init` for a codec that keeps no state of its own."""
     del shapes, key
     return ()
+
+
+def as_rows(x: jax.Array, width: int, rows: int | None = None) -> jax.Array:
+    """``x`` flat, padded with zeros to ``rows`` rows of ``width`` elements
+    (default: the fewest that hold it), the blocks or chunks a codec codes."""
+    rows = -(-x.size // width) if rows is None else rows
+    return jnp.pad(x.reshape(-1), (0, rows * width - x.size)).reshape(rows, width)
+
+
+def from_rows(rows: jax.Array, like: jax.Array) -> jax.Array:
+    """`as_rows` undone: the first elements, shaped like ``like``."""
+    return rows.reshape(-1)[: like.size].reshape(like.shape)
+
+
+def psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
+    """psum of several arrays in one (variadic) all-reduce."""
+    return list(jax.lax.psum(values, axis)) if values else []
 
 
 class CodecState(NamedTuple):

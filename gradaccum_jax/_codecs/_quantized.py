@@ -28,7 +28,15 @@ import jax.numpy as jnp
 
 from gradaccum_jax import _checks
 from gradaccum_jax._codecs import _packing
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least, no_state
+from gradaccum_jax._codecs._protocol import (
+    Codec,
+    CodecSum,
+    Wire,
+    as_rows,
+    at_least,
+    from_rows,
+    no_state,
+)
 from gradaccum_jax._ternary import _random
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 
@@ -72,7 +80,7 @@ def quantized(*, bits: int = 8, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
     top, units = _FORMATS[bits]
 
     def codec_sum(inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire):
-        blocks = [_blocks_of(x) for x in inputs]
+        blocks = [as_rows(x, BLOCK) for x in inputs]
         local = [_exponent(b, top / units) for b in blocks]
         exponents = _pmax(local, wire.axis)
         codes, sums, sent, finite = [], [], [], []
@@ -80,14 +88,14 @@ def quantized(*, bits: int = 8, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
             power = _power(e)
             scale = power / units  # of one code unit
             stream = _random.stream(key, wire.leaves[j], wire.device)
-            uniform = _uniform(_blocks_of(_random.bits(stream, x, wire.splits[j])))
+            uniform = _uniform(as_rows(_random.bits(stream, x, wire.splits[j]), BLOCK))
             codes.append(_round(b / power, uniform, top, units))
-            sent.append(_unblock(codes[-1].astype(jnp.float32) * scale, x))
+            sent.append(from_rows(codes[-1].astype(jnp.float32) * scale, x))
             finite.append(jnp.all(e != _NOT_FINITE))
         code_sums = _packing.packed_sum(codes, wire.axis, wire.num_devices, top)
         for c, e, x in zip(code_sums, exponents, inputs, strict=True):
             scale = _power(e) / units
-            sums.append(_unblock(c.astype(jnp.float32) * scale, x))
+            sums.append(from_rows(c.astype(jnp.float32) * scale, x))
         return CodecSum(sums, sent, finite, state)
 
     return Codec(
@@ -101,17 +109,6 @@ def quantized(*, bits: int = 8, min_size: int = DEFAULT_MIN_SIZE) -> Codec:
 def _power(exponents: jax.Array) -> jax.Array:
     """``2**e`` per block, shaped to scale the block's row."""
     return jnp.ldexp(jnp.float32(1.0), exponents.astype(jnp.int32))[:, None]
-
-
-def _blocks_of(x: jax.Array) -> jax.Array:
-    """``x`` flat, padded with zeros to whole blocks, as rows of `BLOCK`."""
-    flat = x.reshape(-1)
-    return jnp.pad(flat, (0, -flat.size % BLOCK)).reshape(-1, BLOCK)
-
-
-def _unblock(blocks: jax.Array, like: jax.Array) -> jax.Array:
-    """The inverse of `_blocks_of`: shaped like ``like``."""
-    return blocks.reshape(-1)[: like.size].reshape(like.shape)
 
 
 def _exponent(blocks: jax.Array, top: float) -> jax.Array:

@@ -31,7 +31,6 @@ entries are summed by that all-reduce instead.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -39,7 +38,16 @@ import jax.numpy as jnp
 
 from gradaccum_jax import _checks, _placement
 from gradaccum_jax._codecs import _chunks
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least, no_state
+from gradaccum_jax._codecs._protocol import (
+    Codec,
+    CodecSum,
+    Wire,
+    as_rows,
+    at_least,
+    from_rows,
+    no_state,
+    psum_list,
+)
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 
 _BITS = (2, 4, 8, 32)
@@ -106,12 +114,12 @@ def topk(
     Returns:
       A `gradaccum_jax.extend.Codec`.
     """
-    density = _density("density", density)
+    density = _checks.fraction("density", density)
     bits = _checks.integer_in("bits", bits, _BITS)
     min_size = _checks.nonnegative_int("min_size", min_size)
     collective = _checks.one_of("collective", collective, _COLLECTIVES)
     if owner_density is not None:
-        owner_density = _density("owner_density", owner_density)
+        owner_density = _checks.fraction("owner_density", owner_density)
         if collective != "reduce_scatter":
             raise ValueError(
                 "`owner_density` is the owners' share of their shards' sums, "
@@ -138,7 +146,7 @@ def topk(
             >= _dense_bytes(x.size, wire.num_devices)
         ]
         dense_sent = [_dense_sent(inputs[j], selection) for j in dense]
-        dense_sums = _psum_list(dense_sent, wire.axis)
+        dense_sums = psum_list(dense_sent, wire.axis)
         leaves = {
             j: _Leaf(total, sent, jnp.all(jnp.isfinite(total)))
             for j, sent, total in zip(dense, dense_sent, dense_sums, strict=True)
@@ -165,18 +173,6 @@ def topk(
         no_state,
         codec_sum,
     )
-
-
-def _density(name: str, value: Any) -> float:
-    """``value``, a fraction in (0, 1], or a ValueError naming ``name``."""
-    fraction = (
-        not isinstance(value, bool)
-        and isinstance(value, numbers.Real)
-        and 0 < float(value) <= 1
-    )
-    if not fraction:
-        raise ValueError(f"`{name}` must be a number in (0, 1], got {value!r}.")
-    return value
 
 
 class _Selection(NamedTuple):
@@ -224,23 +220,23 @@ def _dense_sent(x: jax.Array, selection: _Selection) -> jax.Array:
     """This device's top-k of ``x`` (chunked as for ``"all_gather"``) as
     the others decode it, to be summed by a float32 all-reduce."""
     layout = _chunks.leaf_layout(x.size, selection.density)
-    rows = _chunks.as_rows(x, layout)
+    rows = as_rows(x, layout.chunk, layout.chunks)
     _, scale, index = _chunks.encode(rows, layout.k, selection.bits)
-    return _chunks.from_rows(_chunks.sent(rows, index, scale, selection.bits), x)
+    return from_rows(_chunks.sent(rows, index, scale, selection.bits), x)
 
 
 def _gather_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     """``"all_gather"``: every device's payload gathered and added up."""
     layout, bits = _chunks.leaf_layout(x.size, selection.density), selection.bits
-    rows = _chunks.as_rows(x, layout)
+    rows = as_rows(x, layout.chunk, layout.chunks)
     entries, scale, index = _chunks.encode(rows, layout.k, bits)
     entries, scales = jax.lax.all_gather((entries, scale), wire.axis)
     total = _placement.on_each_device(
         lambda e, s: _chunks.decode_sum(e, s, layout.chunk, bits), entries, scales
     )
     return _Leaf(
-        _chunks.from_rows(total, x),
-        _chunks.from_rows(_chunks.sent(rows, index, scale, bits), x),
+        from_rows(total, x),
+        from_rows(_chunks.sent(rows, index, scale, bits), x),
         jnp.all(jnp.isfinite(scales)),
     )
 
@@ -258,7 +254,7 @@ def _owners_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     """
     n, bits = wire.num_devices, selection.bits
     layout = _chunks.shard_layout(x.size, selection.density, n)
-    rows = _chunks.as_rows(x, layout._replace(chunks=n * layout.chunks))
+    rows = as_rows(x, layout.chunk, n * layout.chunks)
     entries, scale, index = _chunks.encode(rows, layout.k, bits)
     sent = _chunks.sent(rows, index, scale, bits)
 
@@ -290,11 +286,7 @@ def _owners_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
         lambda e, s: _chunks.decode_shards(e, s, layout.chunk, bits), entries, scales
     )
     return _Leaf(
-        _chunks.from_rows(total, x),
-        _chunks.from_rows(sent, x),
+        from_rows(total, x),
+        from_rows(sent, x),
         jnp.all(jnp.isfinite(scales)),
     )
-
-
-def _psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
-    return list(jax.lax.psum(values, axis)) if values else []
