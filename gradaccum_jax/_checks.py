@@ -93,16 +93,20 @@ def decay_rate(name: str, value: Any) -> float:
     return float(value)
 
 
-def fraction(name: str, value: Any) -> float:
-    """Returns ``value`` as a float, or raises unless it is in (0, 1]."""
+def fraction(name: str, value: Any, *, zero: bool = False) -> float:
+    """Returns ``value`` as a float, or raises unless it is in (0, 1] (in
+    [0, 1] with ``zero``)."""
+    accepted = "[0, 1]" if zero else "(0, 1]"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(
-            f"`{name}` must be a number in (0, 1], got {value!r} "
+            f"`{name}` must be a number in {accepted}, got {value!r} "
             f"of type {type(value).__name__}."
         )
-    if not 0 < float(value) <= 1:
-        raise ValueError(f"`{name}` must be a number in (0, 1], got {value}.")
-    return float(value)
+    value = float(value)
+    above_zero = value >= 0 if zero else value > 0
+    if not (above_zero and value <= 1):  # NaN fails both
+        raise ValueError(f"`{name}` must be a number in {accepted}, got {value}.")
+    return value
 
 
 def boolean(name: str, value: Any) -> bool:

@@ -332,6 +332,12 @@ TABLE: list[Row] = [
         ("layers", -1, 1.5, True, {"layers": "0"}, [0, -2]),
         r"None .* integer >= 0 .* pytree prefix of the params",
     ),
+    Row(
+        "diloco",
+        "keep_unsent",
+        (-0.1, 1.01, NAN, INF, "0.5", True, None),
+        r"number in \[0, 1\]",
+    ),
     Row("worker_value_and_grad", "loss_fn", (3, None), CALLABLE),
     Row("worker_value_and_grad", "axis_name", ("", None, 3, ("data",)), AXIS_NAME),
     Row("worker_value_and_grad", "has_aux", ("False", None), BOOL),

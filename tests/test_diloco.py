@@ -492,6 +492,149 @@ def test_ternary_residual_is_used_by_the_next_sync():
     assert np.abs(results[0] - results[1]).max() > 1e-4
 
 
+def _keeping_diloco(keep_unsent, error_feedback=True):
+    """Top-k 5 % outer gradients (w and v coded, b sent exactly), an outer
+    SGD step of 1, each worker keeping ``keep_unsent`` of what it did not
+    send."""
+    return ga.diloco(
+        optax.sgd(0.1),
+        2,
+        outer=optax.sgd(1.0),
+        axis_name="data",
+        outer_reduction=ga.compressed_average_across_devices(
+            "data", ga.codecs.topk(0.05), error_feedback=error_feedback
+        ),
+        keep_unsent=keep_unsent,
+    )
+
+
+def _run_path(path, opt, params, grads_seq, weights):
+    if path == "shard_map":
+        return run_shard_map(opt, params, grads_seq, weights)
+    stacked, state, _ = run_stacked(opt, params, grads_seq, path, weights)
+    return stacked, state
+
+
+@pytest.mark.parametrize(
+    ("path", "dtype"),
+    [
+        ("shard_map", np.float32),
+        ("1d-explicit", np.float32),
+        ("2d-auto-tp", np.float32),
+        ("2d-tp", jnp.bfloat16),
+    ],
+    ids=["shard_map", "1d-explicit", "2d-auto-tp", "2d-tp-bf16"],
+)
+def test_keep_unsent_moves_that_part_of_the_residual_into_each_worker(path, dtype):
+    """After a sync with ``keep_unsent=0.5`` the anchor is the one without it
+    (the same codes were sent), each worker's residual is half of what it
+    would be, and the worker stands half of its unsent outer gradient (its
+    residual over its share of the mean, weight / total) off the anchor:
+    nothing unsent is lost. A worker that saw nothing (share 0) and a
+    leaf sent exactly keep nothing: they sit on the anchor. bfloat16
+    params hold the offset to their rounding."""
+    workers = N if path in ("shard_map", "1d-explicit") else 4
+    as_dtype = functools.partial(jax.tree.map, lambda x: np.asarray(x).astype(dtype))
+    params = as_dtype(_big_params())
+    grads_seq = [as_dtype(g) for g in _big_grads(2, workers=workers)]
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == np.float32 else {"atol": 2e-2}
+    weights = [np.arange(workers, dtype=np.float32)] * 2  # worker 0 sees nothing
+    share = weights[0] / weights[0].sum()
+    (p0, s0), (p1, s1) = (
+        _run_path(path, _keeping_diloco(keep), params, grads_seq, weights)
+        for keep in (0.0, 0.5)
+    )
+    for a, b in zip(
+        jax.tree.leaves(s0.anchor), jax.tree.leaves(s1.anchor), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    anchor = jax.tree.map(lambda x: np.asarray(x, np.float32), s1.anchor)
+    p0, p1 = jax.tree.map(lambda x: np.asarray(x, np.float32), (p0, p1))
+    # The fragment's list is (b, v, w): b is sent exactly, no residual.
+    r0 = [np.asarray(r) for r in s0.reduction_states[0].residual[1:3]]
+    r1 = [np.asarray(r) for r in s1.reduction_states[0].residual[1:3]]
+    for name, before, after in zip(("v", "w"), r0, r1, strict=True):
+        assert np.abs(before[1:]).min(axis=(1, 2)).max() == 0  # entries sent
+        assert np.abs(before[1:]).max(axis=(1, 2)).min() > 0  # and not sent
+        np.testing.assert_array_equal(after, before - 0.5 * before)
+        offset = anchor[name] - p1[name]
+        expected = np.zeros_like(before)
+        expected[1:] = 0.5 * before[1:] / share[1:, None, None]
+        assert np.abs(expected).max() > 0.1
+        np.testing.assert_allclose(offset, expected, **tolerance)
+        # What the worker kept and what its residual keeps add up to all
+        # it did not send.
+        np.testing.assert_allclose(
+            after[1:] + share[1:, None, None] * offset[1:], before[1:], **tolerance
+        )
+        # Without keep_unsent every worker is on the anchor.
+        np.testing.assert_allclose(p0[name], anchor[name], **tolerance)
+    np.testing.assert_allclose(p1["b"], anchor["b"], **tolerance)
+
+
+def _quadratic_run(opt, steps):
+    """``steps`` calls on 8 `shard_map` workers, each worker's gradient that of
+    ``|params - target_d|^2 / 2`` (it depends on where the worker stands)."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
+    targets = _big_grads(1)[0]
+    stacked = jax.tree.map(lambda x: np.broadcast_to(x, (N, *x.shape)), _big_params())
+    first = functools.partial(jax.tree.map, lambda x: x[0])
+    again = functools.partial(jax.tree.map, lambda x: x[None])
+
+    def body(params, targets, state):
+        params, targets, state = first(params), first(targets), first(state)
+        grads = jax.tree.map(jnp.subtract, params, targets)
+        updates, state = opt.update(grads, state, params)
+        return again(optax.apply_updates(params, updates)), again(state)
+
+    with jax.set_mesh(mesh):
+        spec = P("data")
+        stacked, targets = jax.device_put((stacked, targets), P("data"))
+        init = jax.shard_map(
+            lambda p: again(opt.init(first(p))), in_specs=spec, out_specs=spec
+        )
+        state = jax.jit(init)(stacked)
+        step = jax.jit(jax.shard_map(body, in_specs=spec, out_specs=spec))
+        for _ in range(steps):
+            stacked, state = jax.block_until_ready(step(stacked, targets, state))
+    return stacked, state
+
+
+def test_keep_unsent_changes_where_the_workers_take_their_gradients():
+    """The part a worker keeps goes into its next outer gradient through its
+    params, so with gradients that do not depend on the params (and an sgd
+    inner step) the next sync sends what it would have sent without it and
+    lands on the same anchor (to rounding); what changes is where each
+    worker takes its gradients. With a quadratic loss per worker the
+    anchors after two cycles differ, and between syncs the workers stand
+    apart."""
+    params, grads_seq = _big_params(), _big_grads(4)
+    fixed = [run_shard_map(_keeping_diloco(k), params, grads_seq) for k in (0, 0.5)]
+    np.testing.assert_allclose(
+        np.asarray(fixed[0][1].anchor["w"]),
+        np.asarray(fixed[1][1].anchor["w"]),
+        atol=1e-6,
+    )
+    (p0, s0), (p1, s1) = (_quadratic_run(_keeping_diloco(k), 4) for k in (0, 0.5))
+    w0, w1 = np.asarray(p0["w"]), np.asarray(p1["w"])
+    assert np.abs(w0[0] - w0[1]).max() < 1e-6  # on the anchor
+    assert np.abs(w1[1] - w1[2]).max() > 1e-3
+    moved = np.abs(np.asarray(s0.anchor["w"]) - np.asarray(s1.anchor["w"])).max()
+    assert moved > 1e-3, moved
+
+
+def test_keep_unsent_needs_a_reduction_that_keeps_a_residual():
+    with pytest.raises(
+        ValueError, match=r"`keep_unsent` 0.5 needs an `outer_reduction`"
+    ):
+        ga.diloco(optax.sgd(0.1), 2, axis_name="data", keep_unsent=0.5)
+    with pytest.raises(ValueError, match=r"state keeps none \(CodecState\)"):
+        _keeping_diloco(0.5, error_feedback=False).init(_big_params())
+    # With error feedback it initializes, and keep_unsent=0 needs nothing.
+    _keeping_diloco(0.5).init(_big_params())
+    ga.diloco(optax.sgd(0.1), 2, axis_name="data", keep_unsent=0).init(_big_params())
+
+
 # The 2-D layouts of `_big_params`: w (64 x 32) and v (32 x 32) compressed,
 # split over the inner axis by columns, by rows, or FSDP-style.
 BIG_2D_SPECS = {
@@ -821,7 +964,7 @@ def test_tensor_parallel_params_are_not_gathered(dtype):
     assert temp <= 2.1 * share, (temp, share)
 
 
-def _codec_diloco_step(reduction, mesh):
+def _codec_diloco_step(reduction, mesh, keep_unsent=0.0):
     """A compiled diloco update on stacked workers over `data`, tensor
     parallel over `model`: two Megatron leaves and a scanned one, large
     enough to be coded, and a bias split over `model` (no dimension left
@@ -845,7 +988,13 @@ def _codec_diloco_step(reduction, mesh):
         spec = leaf.sharding.spec if leaf.sharding is not None else P()
         return abstract((workers, *leaf.shape), P("data", *spec), leaf.dtype)
 
-    opt = ga.diloco(optax.adam(0.01), 4, axis_name="data", outer_reduction=reduction)
+    opt = ga.diloco(
+        optax.adam(0.01),
+        4,
+        axis_name="data",
+        outer_reduction=reduction,
+        keep_unsent=keep_unsent,
+    )
 
     def step(params, state, grads):
         updates, state = opt.update(grads, state, params)
@@ -954,6 +1103,41 @@ def test_a_codec_outer_reduction_keeps_tensor_parallel_leaves_split(codec, axis_
     # workers' payloads: about 3.4 such buffers (measured).
     buffers = 4 if codec.startswith("topk") else 1.5
     assert temp <= plain_temp + buffers * f32_share, (temp, plain_temp, f32_share)
+
+
+@pytest.mark.parametrize(
+    "axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"]
+)
+def test_keep_unsent_on_tensor_parallel_leaves_adds_a_scalar_and_a_buffer(axis_type):
+    """``keep_unsent`` sends what the sync sends without it, plus the worker's
+    weight (4 bytes, in the all-reduce the reduction makes anyway: the
+    total weight converts a residual into the worker's units), keeps every
+    block where it lies, and its temporaries grow by about one float32
+    buffer of a device's blocks (the part kept, measured 1.02x)."""
+    mesh = _tp_mesh(axis_type)
+
+    def reduction():
+        return ga.compressed_average_across_devices(
+            "data", ga.codecs.topk(0.01, collective="reduce_scatter")
+        )
+
+    plain, f32_share = _codec_diloco_step(reduction(), mesh)
+    keeping, _ = _codec_diloco_step(reduction(), mesh, keep_unsent=0.5)
+
+    def moves(program):
+        return [
+            (c.kind, c.axes, c.nbytes, c.place)
+            for c in ga.measure.collectives(program, mesh)
+        ]
+
+    before, after = moves(plain), moves(keeping)
+    grown = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    assert grown == [
+        (("all-reduce", ("data",), 8, "loop"), ("all-reduce", ("data",), 12, "loop"))
+    ], grown
+    temp = keeping.memory_analysis().temp_size_in_bytes
+    plain_temp = plain.memory_analysis().temp_size_in_bytes
+    assert plain_temp < temp <= plain_temp + 1.1 * f32_share, (temp, plain_temp)
 
 
 @functools.cache

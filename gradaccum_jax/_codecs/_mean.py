@@ -69,6 +69,26 @@ def coded(codec: Codec, leaf: Any, split: _blocks.Split = _blocks.WHOLE) -> bool
     return bool(codec.compresses(shape))
 
 
+def keeps_a_residual(state: Any) -> bool:
+    """Whether a reduction's ``state`` (a `CodecState`, a `TernaryState`)
+    keeps an error-feedback residual for some leaf."""
+    residual = getattr(state, "residual", None)
+    return residual is not None and any(
+        not keeps_no_array(r) for r in jax.tree.leaves(residual, is_leaf=keeps_no_array)
+    )
+
+
+def take_residual(state: Any, fraction: Any) -> tuple[list[Any], Any]:
+    """``fraction`` of each leaf's residual in ``state``, in the devices'
+    share units (None for a leaf that keeps none), and ``state`` keeping
+    the rest: the two add up to the residual, so nothing unsent is lost."""
+    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
+    taken = [None if keeps_no_array(r) else fraction * r for r in residuals]
+    rest = [r if t is None else r - t for r, t in zip(residuals, taken, strict=True)]
+    treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
+    return taken, state._replace(residual=jax.tree.unflatten(treedef, rest))
+
+
 def state_init(config: Reduce, params: Any, seed: int) -> CodecState:
     """The state before the first call: zero residuals, the codec's own,
     and how the params lie over Auto mesh axes where they are placed."""

@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gradaccum_jax import _weights
 from gradaccum_jax._codecs._auto_blocks import leaf_layouts
+from gradaccum_jax._codecs._mean import take_residual
 from gradaccum_jax._codecs._protocol import with_own_streams
 
 
@@ -51,6 +53,10 @@ class SyncConfig(NamedTuple):
     # Per leaf of the fragment, its split over Auto mesh axes; None: not
     # known (shown by the types, or an Auto mesh's, the compiler's).
     layouts: list[Any] | None = None
+    # The part of its unsent outer gradient a worker keeps (`diloco`'s
+    # ``keep_unsent``), and the workers' axis, over which the weights add up.
+    keep_unsent: float = 0.0
+    axis: Any = None
 
 
 def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> SyncCarry:
@@ -61,8 +67,10 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
     over the workers weighted by their cycle weights (a worker that saw
     nothing is left out, NaN included), the outer optimizer steps the
     anchor with it (in float32), and the returned updates take ``params``
-    to the new anchor. A zero total weight leaves the anchor and the outer
-    state as they are (the outer momentum would move it otherwise).
+    to the new anchor, less the part of what this worker did not send that
+    it keeps (``keep_unsent``). A zero total weight leaves the anchor and
+    the outer state as they are (the outer momentum would move it
+    otherwise).
     """
     weight = carry.cycle_weights[config.fragment]
     local = [
@@ -99,9 +107,12 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
     outer_state = jax.tree.map(
         lambda new, old: jnp.where(moved, new, old), outer_state, carry.outer_state
     )
+    kept = [None] * len(params)
+    if config.keep_unsent:
+        kept, reduction_state = _unsent_kept(reduction_state, weight, moved, config)
     updates = [
-        (wide(a) - wide(p)).astype(jnp.result_type(p))
-        for a, p in zip(new_anchor, params, strict=True)
+        (wide(a) - wide(p) - (0.0 if k is None else k)).astype(jnp.result_type(p))
+        for a, p, k in zip(new_anchor, params, kept, strict=True)
     ]
     return SyncCarry(
         updates,
@@ -110,6 +121,28 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
         reduction_state,
         carry.cycle_weights.at[config.fragment].set(0.0),
     )
+
+
+def _unsent_kept(
+    reduction_state: Any, weight: jax.Array, moved: jax.Array, config: SyncConfig
+) -> tuple[list[Any], Any]:
+    """``keep_unsent`` of this worker's unsent outer gradient, per leaf
+    (None where the reduction keeps no residual), and the reduction's
+    state keeping the rest for the next sync.
+
+    The residual is in units of the worker's share of the mean (its weight
+    over the total); divided by the share it is in the outer gradient's.
+    A worker that saw nothing (share 0) and a sync that left the anchor
+    where it was keep nothing: their residual stays whole.
+    """
+    share, _ = _weights.share(weight, jax.lax.psum(weight, config.axis))
+    takes = moved & (share > 0)
+    taken, reduction_state = take_residual(
+        reduction_state, jnp.where(takes, config.keep_unsent, 0.0)
+    )
+    per_share = jnp.where(takes, 1.0 / jnp.where(takes, share, 1.0), 0.0)
+    # The last leaf is the presence weight, which no codec compresses.
+    return [None if t is None else t * per_share for t in taken[:-1]], reduction_state
 
 
 def reduction_init(

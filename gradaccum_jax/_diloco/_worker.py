@@ -31,6 +31,8 @@ class WorkerConfig(NamedTuple):
     sync_every: int
     fragments: int
     fragment_axis: Any  # None, an axis, or a pytree prefix of the params
+    keep_unsent: float = 0.0
+    axis: Any = None  # the workers' axis; None: a single worker
 
 
 def inner_step(
@@ -106,6 +108,8 @@ def worker_update(
                 config.reduction,
                 index,
                 None if layouts is None else _fragments.take(layouts, fragment),
+                config.keep_unsent,
+                config.axis,
             ),
         )
         carry = run_if(state.cycle_step == offset, sync, carry)
