@@ -256,9 +256,10 @@ def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
     names = list(dict.fromkeys(name for data in records for name in data["curves"]))
     # Tall enough for the legend: a line of 8 points per method and the band.
     height = max(4.6, 0.16 * (len(names) + 1) + 0.6)
-    fig, axes = plt.subplots(
-        1, len(records), figsize=(5 * len(records) + 3.1, height), squeeze=False
-    )
+    # Wide enough for the longest name: about 0.07 in a character at size 8.
+    legend_width = 0.6 + 0.07 * max(len(name) for name in names)
+    width = 5 * len(records) + legend_width
+    fig, axes = plt.subplots(1, len(records), figsize=(width, height), squeeze=False)
     styles = low_communication_styles(names)
     legend = {}
     for ax, data in zip(axes[0], records, strict=True):
@@ -290,7 +291,7 @@ def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
     fig.legend(legend.values(), legend.keys(), loc="center right", fontsize=8)
     fig.suptitle(f"Loss against bytes, every method at the end of training ({where})",
                  fontsize=10)  # fmt: skip
-    return _save(fig, path, rect=(0, 0, 1 - 3.0 / (5 * len(records) + 3.1), 1))
+    return _save(fig, path, rect=(0, 0, 1 - legend_width / width, 1))
 
 
 def scale(results: list[dict], path: Path, where: str) -> Path:
