@@ -254,6 +254,26 @@ def methods(
             lambda steps: _diloco_syncs(steps, sync_every, kwargs.get("fragments", 1)),
         )
 
+    def owners_method(lr, keep_unsent=0.0):
+        # The SparseLoCo-like optimizer with top-k summed through the
+        # shards' owners (see OWNERS_DENSITY and KEEP_UNSENT).
+        keep = f" keep {keep_unsent:g}" if keep_unsent else ""
+        return diloco_method(
+            f"DiLoCo H=32 topk {100 * OWNERS_DENSITY:g}% owners "
+            f"{100 * OWNERS_OWNER_DENSITY:g}% 4-bit SGD {lr:g}{keep}",
+            32,
+            outer=lambda: optax.sgd(lr),
+            outer_reduction=_codec_average(
+                ga.codecs.topk(
+                    OWNERS_DENSITY,
+                    bits=4,
+                    collective="reduce_scatter",
+                    owner_density=OWNERS_OWNER_DENSITY,
+                )
+            ),
+            keep_unsent=keep_unsent,
+        )
+
     return [
         Method(
             "DP float32",
@@ -291,36 +311,8 @@ def methods(
             outer=lambda: optax.sgd(sparse[1]),
             outer_reduction=_codec_average(ga.codecs.topk(sparse[0], bits=4)),
         ),
-        diloco_method(
-            f"DiLoCo H=32 topk {100 * OWNERS_DENSITY:g}% owners "
-            f"{100 * OWNERS_OWNER_DENSITY:g}% 4-bit SGD {SPARSE_OUTER_LR:g}",
-            32,
-            outer=lambda: optax.sgd(SPARSE_OUTER_LR),
-            outer_reduction=_codec_average(
-                ga.codecs.topk(
-                    OWNERS_DENSITY,
-                    bits=4,
-                    collective="reduce_scatter",
-                    owner_density=OWNERS_OWNER_DENSITY,
-                )
-            ),
-        ),
-        diloco_method(
-            f"DiLoCo H=32 topk {100 * OWNERS_DENSITY:g}% owners "
-            f"{100 * OWNERS_OWNER_DENSITY:g}% 4-bit SGD {KEEP_OUTER_LR:g} "
-            f"keep {KEEP_UNSENT:g}",
-            32,
-            outer=lambda: optax.sgd(KEEP_OUTER_LR),
-            outer_reduction=_codec_average(
-                ga.codecs.topk(
-                    OWNERS_DENSITY,
-                    bits=4,
-                    collective="reduce_scatter",
-                    owner_density=OWNERS_OWNER_DENSITY,
-                )
-            ),
-            keep_unsent=KEEP_UNSENT,
-        ),
+        owners_method(SPARSE_OUTER_LR),
+        owners_method(KEEP_OUTER_LR, KEEP_UNSENT),
         *[
             diloco_method(
                 f"DiLoCo H=32 {name} keep {KEEP_UNSENT:g}",
