@@ -49,7 +49,9 @@ JIT_MICRO_STEPS = 10
 CHECKPOINT_EVERY = 4
 # DiLoCo under jax.jit: 8 stacked workers on an Explicit mesh, two fragments
 # synced at staggered steps of a 4-step cycle; the run ends mid-cycle.
-DILOCO_KIND = "diloco"
+# "diloco-topk-keep": the outer gradients sent as top-k, each worker keeping
+# half of what it did not send.
+DILOCO_KINDS = ("diloco", "diloco-topk-keep")
 DILOCO_SYNC_EVERY = 4
 
 
@@ -319,14 +321,16 @@ def train_jit(
         return _flat((params, reduce_window(state)))
 
 
-def train_diloco(devices: list[Any]) -> dict[str, np.ndarray]:
+def train_diloco(devices: list[Any], kind: str = "diloco") -> dict[str, np.ndarray]:
     """MICRO_STEPS steps of `diloco` with workers stacked over a jit mesh.
 
     Adam inside, the default Nesterov outer step, two fragments, each
     worker's gradient from `worker_value_and_grad` on its rows of the
-    global batch and weighted by its number of valid examples. Returns the
-    stacked params and state keyed by leaf path, the same arrays in every
-    process.
+    global batch and weighted by its number of valid examples; for
+    ``diloco-topk-keep`` the outer gradients go as each worker's top 10 %
+    in 4 bits, each worker keeping half of what it did not send. Returns
+    the stacked params and state keyed by leaf path, the same arrays in
+    every process.
     """
     import jax
     import optax
@@ -340,8 +344,20 @@ def train_diloco(devices: list[Any]) -> dict[str, np.ndarray]:
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P(JIT_AXIS))
 
+    keeping = {}
+    if kind == "diloco-topk-keep":
+        keeping = {
+            "outer_reduction": ga.compressed_average_across_devices(
+                JIT_AXIS, ga.codecs.topk(0.1, bits=4)
+            ),
+            "keep_unsent": 0.5,
+        }
     opt = ga.diloco(
-        optax.adam(1e-2), DILOCO_SYNC_EVERY, axis_name=JIT_AXIS, fragments=2
+        optax.adam(1e-2),
+        DILOCO_SYNC_EVERY,
+        axis_name=JIT_AXIS,
+        fragments=2,
+        **keeping,
     )
     grad_fn = ga.worker_value_and_grad(weighted_loss, JIT_AXIS, has_aux=True)
 
@@ -405,7 +421,7 @@ def main() -> None:
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument(
-        "--kind", choices=(*KINDS, *JIT_KINDS, DILOCO_KIND), required=True
+        "--kind", choices=(*KINDS, *JIT_KINDS, *DILOCO_KINDS), required=True
     )
     parser.add_argument("--timeout", type=int, default=30)
     parser.add_argument("--checkpoint-dir", help="jit kinds: save checkpoints here")
@@ -445,8 +461,8 @@ def main() -> None:
 
     if args.kind in KINDS:
         results = train(jax.devices(), args.kind)
-    elif args.kind == DILOCO_KIND:
-        results = train_diloco(jax.devices())
+    elif args.kind in DILOCO_KINDS:
+        results = train_diloco(jax.devices(), args.kind)
     else:
         meshes = JIT_MESHES if args.kind == "jit" else (args.kind[4:],)
         results = {}

@@ -220,15 +220,18 @@ def test_replicas_stay_in_sync_and_adam_matches_big_batch(kind):
 
 
 @functools.cache
-def _single_process_diloco() -> dict[str, np.ndarray]:
-    return worker.train_diloco(jax.devices()[: worker.NUM_DEVICES])
+def _single_process_diloco(kind: str) -> dict[str, np.ndarray]:
+    return worker.train_diloco(jax.devices()[: worker.NUM_DEVICES], kind)
 
 
-def test_diloco_two_processes_match_one_process_with_8_devices(tmp_path):
+@pytest.mark.parametrize("kind", worker.DILOCO_KINDS)
+def test_diloco_two_processes_match_one_process_with_8_devices(tmp_path, kind):
     """DiLoCo's stacked workers, fragments and weighted outer mean agree
     across 2 processes x 4 devices and one process with 8 (float32 rounding:
-    gloo sums the outer gradients in another order)."""
-    expected = _single_process_diloco()
+    gloo sums the outer gradients in another order), with the float32 mean
+    and with top-k outer gradients whose unsent part each worker half keeps
+    (its weight summed over the processes too)."""
+    expected = _single_process_diloco(kind)
     # Mid-cycle (7 steps of a 4-step cycle): the workers differ, the
     # anchors agree, and both fragments have synced once.
     w = expected["[0]['w']"]
@@ -237,10 +240,15 @@ def test_diloco_two_processes_match_one_process_with_8_devices(tmp_path):
     np.testing.assert_array_equal(anchor, np.broadcast_to(anchor[0], anchor.shape))
     np.testing.assert_array_equal(expected["[1].cycle_step"], 3)
 
-    _launch(worker.DILOCO_KIND, tmp_path)
+    if kind == "diloco-topk-keep":
+        # w's fragment keeps a residual per worker: half of what was not sent.
+        residual = expected["[1].reduction_states[0].residual[0]"]
+        assert np.abs(residual).max() > 0
+
+    _launch(kind, tmp_path)
 
     for i in range(NUM_PROCESSES):
-        got = _results(tmp_path, worker.DILOCO_KIND, i)
+        got = _results(tmp_path, kind, i)
         # Measured: 1.2e-7 (the outer momentum), params 1.0e-7.
         _assert_results_match(got, expected, 1e-6, context=(i,))
 
