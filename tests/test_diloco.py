@@ -1417,7 +1417,10 @@ def _round_trip(tree, like):
     return jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), saved, like)
 
 
-def test_checkpoint_mid_cycle_resumes_bitwise():
+@pytest.mark.parametrize("keep_unsent", [0.0, 0.5], ids=["ternary", "ternary-keep"])
+def test_checkpoint_mid_cycle_resumes_bitwise(keep_unsent):
+    """Ternary outer gradients (their residuals per worker), two fragments;
+    with ``keep_unsent`` the workers also stand apart after a sync."""
     params, grads_seq = _big_params(), _big_grads(7)
     opt = ga.diloco(
         optax.adam(0.01),
@@ -1425,6 +1428,7 @@ def test_checkpoint_mid_cycle_resumes_bitwise():
         axis_name="data",
         outer_reduction=ga.ternary_average_across_devices("data", seed=1),
         fragments=2,
+        keep_unsent=keep_unsent,
     )
     straight, straight_state, _ = run_stacked(opt, params, grads_seq)
     mesh = stacked_mesh("1d-explicit")
