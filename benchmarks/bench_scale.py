@@ -116,6 +116,9 @@ CODECS = {
 PATHS_ON_REQUEST = (
     "once per window (jax.grad of reduced params) + noise scale",
     "ternary window (jax.grad of reduced params)",
+    # `diloco(keep_unsent=0.5)`: each worker keeps half of what its top-k
+    # did not send; what that adds to the sync's memory and collectives.
+    "diloco top-k reduce-scatter, keep 0.5, F=1",
 )
 # (name, devices, mesh shape, mesh axes)
 CONFIGS = (
@@ -366,6 +369,7 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
         return (*accumulating(adam, lambda *a: grad_fn(*a)[1]), "window", False)
     if path.startswith("diloco"):
         reduction = outer_reductions[path.removeprefix("diloco ").split(",")[0]]()
+        keep = path.split(", keep ")[1].split(",")[0] if ", keep " in path else 0
         tx = ga.diloco(
             adam,
             K,
@@ -373,6 +377,7 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
             outer_reduction=reduction,
             fragments=int(path.rsplit("F=", 1)[1]),
             fragment_axis=fragment_axis,
+            keep_unsent=float(keep),
         )
         grad_fn = ga.worker_value_and_grad(loss, workers_axis)
         return (*accumulating(tx, lambda *a: grad_fn(*a)[1]), "micro", True)

@@ -136,11 +136,10 @@ def _unsent_kept(
     where it was keep nothing: their residual stays whole.
     """
     share, _ = _weights.share(weight, jax.lax.psum(weight, config.axis))
-    takes = moved & (share > 0)
     taken, reduction_state = take_residual(
-        reduction_state, jnp.where(takes, config.keep_unsent, 0.0)
+        reduction_state, jnp.where(moved & (share > 0), config.keep_unsent, 0.0)
     )
-    per_share = jnp.where(takes, 1.0 / jnp.where(takes, share, 1.0), 0.0)
+    per_share, _ = _weights.share(jnp.float32(1.0), share)  # 0 for a share of 0
     # The last leaf is the presence weight, which no codec compresses.
     return [None if t is None else t * per_share for t in taken[:-1]], reduction_state
 

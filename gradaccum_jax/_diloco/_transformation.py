@@ -58,8 +58,8 @@ def diloco(
     unsent is lost, and the workers no longer all start a cycle from the
     anchor (`anchor_params` is the model to evaluate). On the transformer
     of the low-communication guide, ``keep_unsent=0.5`` took DiLoCo with
-    top-k outer gradients from 1.062x data parallel's loss to 1.035x at
-    the same bytes.
+    top-k 3 % outer gradients from 1.122x data parallel's loss to 1.051x
+    at the same bytes.
 
     Example (one worker, an outer step that lands on the inner params):
 
@@ -106,15 +106,9 @@ def diloco(
       A transformation with a `DiLoCoState`; ``update`` needs ``params``.
     """
     config, axis = _config(
-        inner,
-        sync_every,
-        outer,
-        axis_name,
-        outer_reduction,
-        fragments,
-        fragment_axis,
-        keep_unsent,
+        inner, sync_every, outer, axis_name, outer_reduction, fragments, fragment_axis
     )
+    config = config._replace(keep_unsent=_keep_unsent(keep_unsent, outer_reduction))
 
     def init_fn(params: Any) -> DiLoCoState:
         pieces = _fragments.assign(params, config.fragments, config.fragment_axis)
@@ -148,14 +142,7 @@ def diloco(
 
 
 def _config(
-    inner,
-    sync_every,
-    outer,
-    axis_name,
-    outer_reduction,
-    fragments,
-    fragment_axis,
-    keep_unsent,
+    inner, sync_every, outer, axis_name, outer_reduction, fragments, fragment_axis
 ) -> tuple[WorkerConfig, Any]:
     """``diloco``'s arguments, validated: the workers' config and their axis."""
     inner = optax.with_extra_args_support(_checks.transformation("inner", inner))
@@ -167,8 +154,18 @@ def _config(
     reduction = _checks.outer_reduction(outer_reduction, axis)
     fragments = _checks.fragments(fragments, sync_every)
     fragment_axis = _checks.fragment_axis(fragment_axis)
-    keep_unsent = _checks.fraction("keep_unsent", keep_unsent, zero=True)
-    if keep_unsent and reduction is None:
+    if axis is not None and reduction is None:
+        reduction = average_across_devices(axis)
+    config = WorkerConfig(
+        inner, outer, reduction, sync_every, fragments, fragment_axis, axis=axis
+    )
+    return config, axis
+
+
+def _keep_unsent(value: Any, outer_reduction: Any) -> float:
+    """``keep_unsent``, checked: above 0 only with an ``outer_reduction``."""
+    keep_unsent = _checks.fraction("keep_unsent", value, zero=True)
+    if keep_unsent and outer_reduction is None:
         raise ValueError(
             f"`keep_unsent` {keep_unsent} needs an `outer_reduction` that keeps "
             "what each worker did not send (error feedback), such as "
@@ -176,19 +173,7 @@ def _config(
             "bits=4)); the default float32 mean sends everything. Pass one, or "
             "keep_unsent=0."
         )
-    if axis is not None and reduction is None:
-        reduction = average_across_devices(axis)
-    config = WorkerConfig(
-        inner,
-        outer,
-        reduction,
-        sync_every,
-        fragments,
-        fragment_axis,
-        keep_unsent,
-        axis,
-    )
-    return config, axis
+    return keep_unsent
 
 
 def _check_keeps_residual(state: DiLoCoState, keep_unsent: float) -> None:
