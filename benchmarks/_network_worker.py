@@ -21,7 +21,9 @@ Two tasks:
   ``diloco32_e2m1``, ``diloco32_topk3``, ``diloco32_topk1`` (the same with
   ``compressed_average_across_devices`` and a codec: `codecs.quantized`
   with bits=4, E2M1 codes; `codecs.topk` at 3 % of each chunk in 4 bits;
-  `codecs.topk` at 1 % in 2 bits, SparseLoCo's setting). The
+  `codecs.topk` at 1 % in 2 bits, SparseLoCo's setting) and
+  ``diloco32_topk125k`` (`codecs.topk` at 1.25 % in 2 bits, each process
+  keeping half of what it did not send, ``diloco(keep_unsent=0.5)``). The
   loss is cheap (4 examples per device) so that communication shows. Each
   repeat runs one step (one window of 8 micro-steps for ``accum8``, one
   cycle of 32 steps, its sync included, for DiLoCo) and waits for it
@@ -70,8 +72,13 @@ AXIS = "data"
 # `compressed_average_across_devices` with the codec named by
 # `diloco_codec`.
 DILOCO_VARIANTS = (
-    "diloco32", "diloco32t", "diloco32_e2m1", "diloco32_topk3", "diloco32_topk1"
+    "diloco32", "diloco32t", "diloco32_e2m1", "diloco32_topk3", "diloco32_topk1",
+    "diloco32_topk125k",
 )  # fmt: skip
+# ``diloco32_topk125k``'s `diloco(keep_unsent=)`: each process keeps half of
+# what its codec did not send (the setting of bench_low_communication.py's
+# ``keep 0.5`` rows).
+KEEP_UNSENT = 0.5
 VARIANTS = ("f32", "ternary", "accum8", *DILOCO_VARIANTS)
 EVERY_K = 8
 SYNC_EVERY = 32
@@ -124,21 +131,24 @@ def make_optimizer(variant: str, learning_rate: float, seed: int = 0):
             outer_reduction=ga.compressed_average_across_devices(
                 AXIS, diloco_codec(variant), seed=seed
             ),
+            keep_unsent=KEEP_UNSENT if variant.endswith("k") else 0.0,
         )
     raise ValueError(f"unknown variant {variant!r}, expected one of {VARIANTS}")
 
 
 def diloco_codec(variant: str):
     """The codec of a ``diloco32_<codec>`` variant's outer gradients: the
-    settings that met (E2M1, top-k 3 % in 4 bits) or missed (top-k 1 % in
-    2 bits, the fewest bytes) the loss of float32 DiLoCo in
-    ``bench_low_communication.py``."""
+    settings that met (E2M1, top-k 3 % in 4 bits on seeds 0-3; top-k 1.25 %
+    in 2 bits with ``keep_unsent=0.5``) or missed (top-k 1 % in 2 bits, the
+    fewest bytes) the loss of data parallel float32 in
+    ``bench_low_communication.py``'s digits task."""
     from gradaccum_jax import codecs
 
     return {
         "diloco32_e2m1": codecs.quantized(bits=4),
         "diloco32_topk3": codecs.topk(0.03, bits=4),
         "diloco32_topk1": codecs.topk(0.01),
+        "diloco32_topk125k": codecs.topk(0.0125),
     }[variant]
 
 

@@ -38,7 +38,9 @@ loopback:
   ``ternary_average_across_devices``) and ``diloco32_e2m1``,
   ``diloco32_topk3``, ``diloco32_topk1`` (sent with
   `compressed_average_across_devices` and `codecs.quantized` (bits=4),
-  `codecs.topk` (3 %, 4 bits), `codecs.topk` (1 %, 2 bits)). Median of
+  `codecs.topk` (3 %, 4 bits), `codecs.topk` (1 %, 2 bits)) and
+  ``diloco32_topk125k`` (`codecs.topk` (1.25 %, 2 bits), each process
+  keeping half of what it did not send: ``diloco(keep_unsent=0.5)``). Median of
   ``--repeats`` after ``--warmup``, within ``--budget`` seconds per
   variant: at 10 Mbit/s one float32 sync takes about 30 s, and such a
   variant is timed from one repeat (the JSON lists each variant's count);
@@ -374,6 +376,11 @@ PLOT_STYLES = {
     "diloco32_e2m1": ("DiLoCo H=32 E2M1 outer, per step", "P-", "C5"),
     "diloco32_topk3": ("DiLoCo H=32 top-k 3 % 4-bit outer, per step", "X-", "C6"),
     "diloco32_topk1": ("DiLoCo H=32 top-k 1 % 2-bit outer, per step", "*-", "C7"),
+    "diloco32_topk125k": (
+        "DiLoCo H=32 top-k 1.25 % 2-bit outer, keep 0.5, per step",
+        "h-",
+        "C8",
+    ),
 }
 
 
