@@ -75,10 +75,10 @@ DILOCO_VARIANTS = (
     "diloco32", "diloco32t", "diloco32_e2m1", "diloco32_topk3", "diloco32_topk1",
     "diloco32_topk125k",
 )  # fmt: skip
-# ``diloco32_topk125k``'s `diloco(keep_unsent=)`: each process keeps half of
-# what its codec did not send (the setting of bench_low_communication.py's
-# ``keep 0.5`` rows).
-KEEP_UNSENT = 0.5
+# `diloco(keep_unsent=)` per codec variant: ``diloco32_topk125k``'s
+# processes keep half of what their codec did not send (the setting of
+# bench_low_communication.py's ``keep 0.5`` rows); the others keep nothing.
+KEEP_UNSENT = {"diloco32_topk125k": 0.5}
 VARIANTS = ("f32", "ternary", "accum8", *DILOCO_VARIANTS)
 EVERY_K = 8
 SYNC_EVERY = 32
@@ -131,7 +131,7 @@ def make_optimizer(variant: str, learning_rate: float, seed: int = 0):
             outer_reduction=ga.compressed_average_across_devices(
                 AXIS, diloco_codec(variant), seed=seed
             ),
-            keep_unsent=KEEP_UNSENT if variant.endswith("k") else 0.0,
+            keep_unsent=KEEP_UNSENT.get(variant, 0.0),
         )
     raise ValueError(f"unknown variant {variant!r}, expected one of {VARIANTS}")
 
