@@ -41,8 +41,9 @@ same examples. Methods:
 - ``... keep 0.5``: `diloco` with ``keep_unsent=0.5`` (see
   ``KEEP_UNSENT``): after a sync each worker continues from the anchor
   less half of what its codec did not send (the residual keeps the other
-  half), for the owners' row at outer SGD lr 2.5 and for ``topk 1%`` and
-  ``topk 3% 4-bit`` with the Nesterov outer step of the other rows;
+  half), for the owners' row at outer SGD lr 2.5 and for ``topk 1%``,
+  ``topk 1.25%`` (2 bits) and ``topk 3% 4-bit`` with the Nesterov outer
+  step of the other rows (see ``KEEP_CODECS``);
 - ``DP topk 1%``, ``DP PowerSGD r4`` and ``DP PowerSGD r7``: data parallel
   with the gradients averaged by those codecs every step (rank 7 is the
   largest whose factors stay within 1/10 of the float32 bytes on the
