@@ -13,9 +13,10 @@ window_reduction=)`` on a mesh); write one against
   digits (1/7 of float32's bytes with 8 devices);
 - `quantized`: 8-bit integers or 4-bit E2M1 floats, a power-of-two scale
   per block of 32;
-- `topk`: the largest entries of each chunk of 4096, in 2 to 32 bits with
-  their indices, all-gathered, or summed by each shard's owner
-  (``collective="reduce_scatter"``: about two payloads received per
+- `topk`: the largest entries of each chunk of 4096, in 1 to 32 bits with
+  their indices (or, at a high density, as a map of the chunk's codes: 1.6
+  bits an element in one bit), all-gathered, or summed by each shard's
+  owner (``collective="reduce_scatter"``: about two payloads received per
   device, whatever their number);
 - `powersgd`: a warm-started rank-r product per matrix.
 

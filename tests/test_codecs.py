@@ -101,6 +101,16 @@ RING = 2 * (N - 1) / N
             (N - 1) / N * N * ((16 * 2 + 4) + (64 * 2 + 4)),
             0.04,
         ),
+        # Half of each chunk in one bit: a map of the chunk's codes in
+        # {-1, 0, 1}, 20 to a uint32 word (205 words a chunk of 4096), is
+        # smaller than 2048 uint16 entries.
+        (codecs.topk(1 / 2, bits=1), (N - 1) * 2 * (205 * 4 + 4), 0.22),
+        # Through the owners: shards of 1024 elements, 52 words each, twice.
+        (
+            codecs.topk(1 / 2, bits=1, collective="reduce_scatter"),
+            RING * N * (52 * 4 + 4),
+            0.07,
+        ),
         # P (64 x 4) and Q (128 x 4), two all-reduces.
         (codecs.powersgd(4), RING * 4 * (64 * 4 + 128 * 4), 0.11),
     ],
@@ -110,6 +120,8 @@ RING = 2 * (N - 1) / N
         "topk",
         "topk-reduce-scatter",
         "topk-reduce-scatter-owners-1/16",
+        "topk-1-bit-map",
+        "topk-1-bit-map-reduce-scatter",
         "powersgd",
     ],
 )
@@ -165,9 +177,17 @@ def _running_mean_errors(tx, steps, grads):
         codecs.quantized(bits=4),
         codecs.topk(0.05),
         codecs.topk(0.05, collective="reduce_scatter"),
+        codecs.topk(0.5, bits=1, collective="reduce_scatter"),
         codecs.powersgd(2),
     ],
-    ids=["ternary", "e2m1", "topk", "topk-reduce-scatter", "powersgd"],
+    ids=[
+        "ternary",
+        "e2m1",
+        "topk",
+        "topk-reduce-scatter",
+        "topk-1-bit-map-reduce-scatter",
+        "powersgd",
+    ],
 )
 def test_error_feedback_loses_nothing_over_time(codec):
     """The running mean of the means tends to the true mean like 1/T: from
@@ -749,6 +769,20 @@ WINDOW_CASES = {
         jnp.float32,
         codecs.topk(0.1, collective="reduce_scatter"),
     ),
+    "2d-auto-tp-bf16-topk-1-bit-map-reduce-scatter": (
+        ((4, 2), ("data", "model")),
+        AxisType.Auto,
+        TP,
+        jnp.bfloat16,
+        codecs.topk(0.5, bits=1, collective="reduce_scatter"),
+    ),
+    "2d-explicit-fsdp-f32-topk-1-bit-map": (
+        ((4, 2), ("data", "fsdp")),
+        AxisType.Explicit,
+        FSDP,
+        jnp.float32,
+        codecs.topk(0.5, bits=1),
+    ),
     "2d-explicit-tp-bf16-powersgd-warmup": (
         ((4, 2), ("data", "model")),
         AxisType.Explicit,
@@ -979,6 +1013,55 @@ def test_topk_sends_the_largest_entries_of_each_chunk_in_two_bits():
         np.testing.assert_allclose(values[top], expected, rtol=1e-6)
 
 
+def test_topk_in_one_bit_sends_the_sign_at_a_level_orthogonal_to_the_rest():
+    """Half of each chunk, each entry as its sign times one level per
+    chunk, ``sum(v**2) / sum(|v|)`` over the sent entries: what stays of
+    them is orthogonal to them."""
+    x = np.random.default_rng(8).standard_normal((2, 4096)).astype(np.float32)
+    got = _one_device_mean(codecs.topk(0.5, bits=1), x)
+    for chunk, values in zip(x, got, strict=True):
+        top = np.argsort(-np.abs(chunk))[:2048]
+        np.testing.assert_array_equal(np.flatnonzero(values), np.sort(top))
+        sent = chunk[top].astype(np.float64)
+        level = (sent**2).sum() / np.abs(sent).sum()
+        np.testing.assert_allclose(values[top], np.sign(sent) * level, rtol=1e-5)
+        assert abs(np.dot(sent - values[top], sent)) < 1e-4 * np.dot(sent, sent)
+
+
+@pytest.mark.parametrize(
+    ("density", "bits", "as_map"),
+    [(0.5, 1, True), (0.01, 1, False), (0.5, 2, True), (0.3, 4, True), (0.2, 4, False)],
+)
+def test_topk_sends_the_same_values_as_entries_or_as_a_map(density, bits, as_map):
+    """Whichever payload is smaller (the entries' words, or a map of every
+    element's code) carries the same values: the sum of the 8 devices' is
+    their top-k, quantized, added up."""
+    from gradaccum_jax._codecs import _chunks
+
+    k = int(np.ceil(density * 4096))
+    assert _chunks.as_map(4096, k, bits) == as_map
+    grads = {"w": _grads(3, {"w": (2, 4096)})["w"]}
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.topk(density, bits=bits), error_feedback=False
+    )
+    state = _replicate(tx.init({"w": np.zeros((2, 4096), np.float32)}))
+    got = np.asarray(jax.pmap(tx.update, axis_name="i")(grads, state)[0]["w"])
+    expected = np.zeros((2, 4096))
+    levels = 2 ** (bits - 1)
+    for device in grads["w"]:
+        for row, chunk in enumerate(device):
+            top = np.argsort(-np.abs(chunk))[:k]
+            magnitude = np.abs(chunk[top])
+            if bits == 1:
+                quantized = (magnitude**2).sum() / magnitude.sum()
+            else:
+                step = magnitude.max() / levels
+                quantized = np.clip(np.round(magnitude / step), 1, levels) * step
+            expected[row, top] += np.sign(chunk[top]) * quantized
+    np.testing.assert_array_equal(got, got[:1].repeat(N, 0))
+    np.testing.assert_allclose(got[0], expected / N, rtol=1e-5, atol=1e-6)
+
+
 def test_topk_searches_a_large_leaf_a_batch_of_chunks_at_a_time():
     """300 chunks: the TopK reads the magnitudes of 256 chunks at a time,
     the last batch (chunks 44-299) overlapping the first; every chunk
@@ -1007,6 +1090,23 @@ def test_topk_keeps_its_residual_without_a_float_copy_of_the_leaf(bits, collecti
     )
     compiled = _compiled_mean(tx, shapes)
     assert compiled.memory_analysis().temp_size_in_bytes < 1.75 * 4 * 512 * 2048
+
+
+@pytest.mark.parametrize(
+    ("collective", "bound"), [("all_gather", 3.5), ("reduce_scatter", 2.75)]
+)
+def test_topk_decodes_the_devices_maps_one_at_a_time(collective, bound):
+    """Half of each chunk in one bit goes as maps, decoded and added one
+    device at a time: 3.35x the leaf's bytes gathered (9.86x when XLA
+    decoded the 8 devices' maps first), 2.55x through the owners. The
+    rest is the top-k at that density: the magnitudes, the indices and
+    values of half the leaf, the mask and the codes."""
+    shapes = {"w": (512, 2048)}
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.topk(0.5, bits=1, collective=collective)
+    )
+    compiled = _compiled_mean(tx, shapes)
+    assert compiled.memory_analysis().temp_size_in_bytes < bound * 4 * 512 * 2048
 
 
 def test_topk_at_scale_gathers_only_its_payloads_and_searches_in_batches(tmp_path):

@@ -380,8 +380,8 @@ TABLE: list[Row] = [
     Row(
         "codecs.topk",
         "bits",
-        (1, 3, 16, 64, 2.0, "2", True, None),
-        r"must be 2, 4, 8 or 32, got",
+        (0, 3, 16, 64, 2.0, "2", True, None),
+        r"must be 1, 2, 4, 8 or 32, got",
     ),
     Row(
         "codecs.topk",

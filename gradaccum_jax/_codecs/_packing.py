@@ -90,6 +90,13 @@ def _plane_view(size: int, per_word: int) -> tuple[int, int]:
     return size, 1
 
 
+def packed_words(size: int, num_devices: int, levels: int) -> int:
+    """How many uint32 words `pack` makes of ``size`` codes."""
+    per_word = digits_per_word(num_devices, levels)
+    rows, columns = _plane_view(size, per_word)
+    return -(-rows // per_word) * columns
+
+
 def pack(codes: jax.Array, num_devices: int, levels: int) -> jax.Array:
     """Integer codes as base-(2 levels n + 1) digits, packed in uint32 words.
 

@@ -3,10 +3,11 @@
 Each device sends, per chunk of 4096 consecutive elements of a leaf, its
 ``k = ceil(density * chunk)`` entries of largest magnitude (SparseLoCo,
 arXiv 2508.15706; DeMo, arXiv 2411.19870): each entry's index in its chunk
-and its value, quantized to ``bits`` against the chunk's largest magnitude,
-packed together in one uint16 (or uint32) word, plus one float32 scale per
-chunk (the payload of `_chunks`). Error feedback keeps everything that was
-not sent: the other entries, and the values' rounding.
+and its value, quantized to ``bits`` against a scale per chunk, packed
+together in one uint16 (or uint32) word, or, at a density where that is
+smaller, a map of the whole chunk's codes (the payloads of `_chunks`).
+Error feedback keeps everything that was not sent: the other entries, and
+the values' rounding.
 
 Sparse sums do not compose in an all-reduce (the devices' supports
 differ). Two collectives sum them:
@@ -50,7 +51,7 @@ from gradaccum_jax._codecs._protocol import (
 )
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 
-_BITS = (2, 4, 8, 32)
+_BITS = (1, 2, 4, 8, 32)
 _COLLECTIVES = ("all_gather", "reduce_scatter")
 
 
@@ -69,8 +70,15 @@ def topk(
     is sent as its sign and a magnitude among ``2**(bits - 1)`` levels
     ``s * m / 2**(bits - 1)``, ``m = 1 .. 2**(bits - 1)``, ``s`` the chunk's
     largest (rounded to nearest: 2 bits send ``s / 2`` or ``s``); 32 bits
-    send the float32 value. Index and code share one uint16 word where
-    they fit (12 + 2 or 4 bits), else a uint32. Top-k is biased: use it
+    send the float32 value. One bit sends the sign alone, every value of a
+    chunk at one level, ``sum(v**2) / sum(|v|)`` over its sent entries
+    ``v`` (what stays of them is orthogonal to them: none of their
+    direction waits in the residual). Index and code share one uint16 word
+    where they fit (12 + 1 to 4 bits), else a uint32. Where it is smaller,
+    a chunk goes as a map instead: every element's code, 0 where nothing
+    was sent, packed in base ``2**bits + 1`` (20 to a uint32 word in one
+    bit: 1.6 bits an element whatever the density, against 16 bits an
+    entry; in 2 and 4 bits, 13 and 7 to a word). Top-k is biased: use it
     with error feedback, which keeps everything not sent.
 
     ``collective`` says how the devices' entries are summed:
@@ -99,10 +107,12 @@ def topk(
     topk(density=0.01, bits=2, min_size=256)
     >>> codecs.topk(0.035, collective="reduce_scatter")
     topk(density=0.035, bits=2, min_size=256, collective='reduce_scatter')
+    >>> codecs.topk(0.5, bits=1, collective="reduce_scatter")
+    topk(density=0.5, bits=1, min_size=256, collective='reduce_scatter')
 
     Args:
       density: the fraction of each chunk a device sends, in (0, 1].
-      bits: 2, 4, 8 or 32 per value.
+      bits: 1, 2, 4, 8 or 32 per value.
       min_size: leaves with fewer elements are summed exactly in float32.
       collective: ``"all_gather"`` or ``"reduce_scatter"``, as above.
       owner_density: with ``"reduce_scatter"``, the fraction of each chunk
@@ -232,7 +242,9 @@ def _gather_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     entries, scale, index = _chunks.encode(rows, layout.k, bits)
     entries, scales = jax.lax.all_gather((entries, scale), wire.axis)
     total = _placement.on_each_device(
-        lambda e, s: _chunks.decode_sum(e, s, layout.chunk, bits), entries, scales
+        lambda e, s: _chunks.decode_sum(e, s, layout.chunk, layout.k, bits),
+        entries,
+        scales,
     )
     return _Leaf(
         from_rows(total, x),
@@ -270,12 +282,10 @@ def _owners_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     start = wire.device * layout.chunks
     own = jax.lax.dynamic_slice_in_dim(rows, start, layout.chunks)
     # Its own entries are in ``own``, whole; the others' added in order.
-    received_index, received_values = _chunks.decode_entries(
-        received, received_scales, layout.chunk, bits
-    )
     others = jnp.arange(n) != wire.device
-    received_values = jnp.where(others[:, None, None], received_values, 0.0)
-    owned = _chunks.scatter_add(own, received_index, received_values)
+    owned = _chunks.add_payloads(
+        own, received, received_scales, layout.k, bits, include=others
+    )
 
     k = _chunks.entries_per_chunk(layout.chunk, selection.owner_density)
     owner_entries, owner_scale, owner_index = _chunks.encode(owned, k, bits)
@@ -283,7 +293,9 @@ def _owners_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     sent = jax.lax.dynamic_update_slice_in_dim(sent, own - owned + owner_sent, start, 0)
     entries, scales = jax.lax.all_gather((owner_entries, owner_scale), wire.axis)
     total = _placement.on_each_device(
-        lambda e, s: _chunks.decode_shards(e, s, layout.chunk, bits), entries, scales
+        lambda e, s: _chunks.decode_shards(e, s, layout.chunk, k, bits),
+        entries,
+        scales,
     )
     return _Leaf(
         from_rows(total, x),
