@@ -96,6 +96,11 @@ def wire_bytes() -> dict[str, float]:
                 "i", codecs.topk(0.01, collective="reduce_scatter")
             )
         ),
+        'topk(0.5, bits=1, collective="reduce_scatter")': (
+            ga.compressed_average_across_devices(
+                "i", codecs.topk(0.5, bits=1, collective="reduce_scatter")
+            )
+        ),
         "powersgd(4)": ga.compressed_average_across_devices("i", codecs.powersgd(4)),
     }
 
@@ -392,7 +397,7 @@ def main() -> None:
         reference = received["float32 mean"]
         print(f"bytes each of {DEVICES} devices receives per mean (4.2M params):")
         for name, total in received.items():
-            print(f"  {name:40s} {total:12.0f}  1/{reference / total:.1f}")
+            print(f"  {name:48s} {total:10.0f}  1/{reference / total:.1f}")
     if args.part in ("steps", "all"):
         _emulate_devices()  # before jax.devices() starts the CPU backend
         import jax
