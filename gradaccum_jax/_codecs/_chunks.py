@@ -96,8 +96,8 @@ def payload_nbytes(layout: Chunks, bits: int) -> int:
 
 def encode(rows: jax.Array, k: int, bits: int) -> tuple[Any, jax.Array, jax.Array]:
     """The payload of ``rows`` (chunks): the entries or map of each chunk
-    (see `as_map`) and its scale, and the int32 indices of the entries
-    sent in each chunk.
+    (see `as_map`) and its scale, and what says which entries were sent
+    (`selection`).
 
     A chunk's scale is its sent entries' largest magnitude, the top level.
     In one bit, where every sent value is the sign times the scale, it is
@@ -110,23 +110,21 @@ def encode(rows: jax.Array, k: int, bits: int) -> tuple[Any, jax.Array, jax.Arra
     against 4x with this level; `tests/test_codecs.py`).
     """
     chunk = rows.shape[1]
-    index = _top_k_indices(rows, k)
-    values = jnp.take_along_axis(rows, index, axis=1)
-    magnitudes = jnp.abs(values)
-    if bits == 1:
-        norm_1 = jnp.sum(magnitudes, axis=1)
-        safe = jnp.where(norm_1 > 0, norm_1, 1.0)
-        scale = jnp.sum(jnp.square(magnitudes), axis=1) / safe
+    chosen = selection(rows, k, bits)
+    if as_map(chunk, k, bits):
+        magnitudes = jnp.where(_sent_mask(rows, chosen, k, bits), jnp.abs(rows), 0.0)
     else:
-        scale = jnp.max(magnitudes, axis=1)
+        values = jnp.take_along_axis(rows, chosen, axis=1)
+        magnitudes = jnp.abs(values)
+    scale = _scale(magnitudes, bits)
     # A chunk holding a NaN or an infinity gets an infinite scale, which
     # every device sees in the gathered scales.
     scale = jnp.where(jnp.all(jnp.isfinite(rows), axis=1), scale, jnp.inf)
     if as_map(chunk, k, bits):
-        return pack_map(rows, index, scale, bits), scale, index
+        return _pack_map(rows, chosen, scale, k, bits), scale, chosen
     dtype = entry_dtype(chunk, bits)
     if bits == 32:
-        return (index.astype(dtype), values), scale, index
+        return (chosen.astype(dtype), values), scale, chosen
     top = levels(bits)
     magnitude = _magnitude(values, scale, top)
     code = (magnitude.astype(jnp.uint32) - 1) | jnp.where(values < 0, top, 0).astype(
@@ -136,7 +134,38 @@ def encode(rows: jax.Array, k: int, bits: int) -> tuple[Any, jax.Array, jax.Arra
     # Built in the entry's own dtype: a narrowing convert after the
     # packing is moved by XLA after the all-gather, which then carries
     # uint32 words (twice the bytes of uint16 entries).
-    return index.astype(dtype) | (code.astype(dtype) << index_bits), scale, index
+    return chosen.astype(dtype) | (code.astype(dtype) << index_bits), scale, chosen
+
+
+def selection(rows: jax.Array, k: int, bits: int) -> jax.Array:
+    """What says which ``k`` entries of each chunk of ``rows`` are sent,
+    computed where ``rows`` lies: their int32 indices (``chunks x k``), or
+    for a map each chunk's ``k``-th largest magnitude (``chunks x 1``),
+    the entries at or above it sent (at the same magnitude as the
+    ``k``-th, every one goes). A map needs no indices: the index and value
+    buffers of half the leaf at a density of 50 % are not made (on the
+    0.81B reference of ``bench_scale.py``, in one bit through the owners,
+    a DiLoCo sync's temporaries went from 2.64 to 1.88 GiB a device, a
+    window's from 1.98 to 1.19).
+
+    XLA's partitioner cannot split a TopK over a sharded batch dimension:
+    it gathers the operand whole to every device first (in ``diloco``'s
+    map over stacked workers, each worker's every chunk, over the workers'
+    and the ``model`` axes: 1 MiB per 512 KiB leaf on ``data`` 2 x
+    ``model`` 4). A sort would be split, but is some 40 times slower than
+    the TopK on CPU.
+    """
+    kth = as_map(rows.shape[1], k, bits)
+    return _placement.on_each_device(lambda x: _rows_top_k(x, k, kth), rows)
+
+
+def _scale(magnitudes: jax.Array, bits: int) -> jax.Array:
+    """Each chunk's scale from its sent magnitudes (0 where not sent)."""
+    if bits != 1:
+        return jnp.max(magnitudes, axis=1)
+    norm_1 = jnp.sum(magnitudes, axis=1)
+    safe = jnp.where(norm_1 > 0, norm_1, 1.0)
+    return jnp.sum(jnp.square(magnitudes), axis=1) / safe
 
 
 def _magnitude(values: jax.Array, scale: jax.Array, levels: int) -> jax.Array:
@@ -146,25 +175,27 @@ def _magnitude(values: jax.Array, scale: jax.Array, levels: int) -> jax.Array:
     return jnp.clip(jnp.round(jnp.abs(values) / safe * levels), 1, levels)
 
 
-def _sent_mask(rows: jax.Array, index: jax.Array) -> jax.Array:
-    """True where ``index`` says an entry of ``rows`` was sent."""
+def _sent_mask(rows: jax.Array, chosen: jax.Array, k: int, bits: int) -> jax.Array:
+    """True where `selection` ``chosen`` says an entry of ``rows`` was sent."""
     chunks, chunk = rows.shape
+    if as_map(chunk, k, bits):
+        return jnp.abs(rows) >= chosen
     return (
         jnp.zeros((chunks, chunk), jnp.bool_)
-        .at[jnp.arange(chunks)[:, None], index]
+        .at[jnp.arange(chunks)[:, None], chosen]
         .set(True, unique_indices=True)
     )
 
 
-def pack_map(
-    rows: jax.Array, index: jax.Array, scale: jax.Array, bits: int
+def _pack_map(
+    rows: jax.Array, chosen: jax.Array, scale: jax.Array, k: int, bits: int
 ) -> jax.Array:
     """Each chunk's map: every element's code in ``[-levels, levels]``
     (the sign times the magnitude's level where sent, else 0), packed in
     uint32 words chunk by chunk."""
     top = levels(bits)
     code = jnp.where(rows < 0, -1, 1) * _magnitude(rows, scale, top).astype(jnp.int32)
-    code = jnp.where(_sent_mask(rows, index), code, 0)
+    code = jnp.where(_sent_mask(rows, chosen, k, bits), code, 0)
     return jax.vmap(lambda c: _packing.pack(c, 1, top))(code)
 
 
@@ -183,35 +214,24 @@ def _value(
     return sign * (magnitude / levels) * scale[..., None]
 
 
-def sent(rows: jax.Array, index: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
-    """The payload of ``rows`` as the others decode it, shaped like ``rows``.
+def sent(
+    rows: jax.Array, chosen: jax.Array, scale: jax.Array, k: int, bits: int
+) -> jax.Array:
+    """The payload of ``rows`` as the others decode it, shaped like ``rows``
+    (``chosen``: what `encode` returned of its `selection`).
 
     Written as a select over ``rows`` (the decoded value where an entry
     was sent, else 0), not as a scatter into zeros: the caller's residual
     ``x - sent`` then fuses into one pass with no float buffer the size of
-    the leaf, only the mask of sent entries (a byte an element). Each sent
-    value is the float `decode_entries` gives.
+    the leaf, only the mask of sent entries (a byte an element, or for a
+    map, none). Each sent value is the float the decoding gives.
     """
     if bits == 32:
         decoded = rows
     else:
         top = levels(bits)
         decoded = _value(rows < 0, _magnitude(rows, scale, top), scale, top)
-    return jnp.where(_sent_mask(rows, index), decoded, 0.0)
-
-
-def _top_k_indices(rows: jax.Array, k: int) -> jax.Array:
-    """The indices of each chunk's (row's) ``k`` entries of largest
-    magnitude, computed where ``rows`` lies.
-
-    XLA's partitioner cannot split a TopK over a sharded batch dimension:
-    it gathers the operand whole to every device first (in ``diloco``'s
-    map over stacked workers, each worker's every chunk, over the workers'
-    and the ``model`` axes: 1 MiB per 512 KiB leaf on ``data`` 2 x
-    ``model`` 4). A sort would be split, but is some 40 times slower than
-    the TopK on CPU.
-    """
-    return _placement.on_each_device(lambda x: _rows_top_k(x, k), rows)
+    return jnp.where(_sent_mask(rows, chosen, k, bits), decoded, 0.0)
 
 
 # Chunks whose magnitudes one TopK reads at a time: 4 MiB of float32 at
@@ -219,26 +239,35 @@ def _top_k_indices(rows: jax.Array, k: int) -> jax.Array:
 TOP_K_ROWS = 256
 
 
-def _rows_top_k(rows: jax.Array, k: int) -> jax.Array:
-    """`_top_k_indices` on one device, `TOP_K_ROWS` chunks at a time.
+def _rows_top_k(rows: jax.Array, k: int, kth: bool) -> jax.Array:
+    """`selection` on one device, `TOP_K_ROWS` chunks at a time: the
+    indices of each chunk's ``k`` largest magnitudes or (``kth``) the
+    ``k``-th of them.
 
     The TopK reads its operand from memory: the magnitudes of a whole leaf
     would be a float32 buffer the leaf's size, those of a few chunks are
     a few MiB. The last batch starts early enough to end at the last chunk
-    (it recomputes a few rows, to the same indices).
+    (it recomputes a few rows, to the same result).
     """
+
+    def top(some):
+        values, index = jax.lax.top_k(jnp.abs(some), k)
+        return values[:, k - 1 :] if kth else index
+
     chunks = rows.shape[0]
     if chunks <= TOP_K_ROWS:
-        return jax.lax.top_k(jnp.abs(rows), k)[1]
+        return top(rows)
 
-    def batch(i, index):
+    def batch(i, out):
         start = jnp.minimum(i * TOP_K_ROWS, chunks - TOP_K_ROWS)
         some = jax.lax.dynamic_slice_in_dim(rows, start, TOP_K_ROWS)
-        top = jax.lax.top_k(jnp.abs(some), k)[1]
-        return jax.lax.dynamic_update_slice_in_dim(index, top, start, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, top(some), start, 0)
 
     batches = -(-chunks // TOP_K_ROWS)
-    return jax.lax.fori_loop(0, batches, batch, jnp.zeros((chunks, k), jnp.int32))
+    out = (
+        jnp.zeros((chunks, 1), rows.dtype) if kth else jnp.zeros((chunks, k), jnp.int32)
+    )
+    return jax.lax.fori_loop(0, batches, batch, out)
 
 
 def decode_entries(

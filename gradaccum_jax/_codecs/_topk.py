@@ -231,15 +231,15 @@ def _dense_sent(x: jax.Array, selection: _Selection) -> jax.Array:
     the others decode it, to be summed by a float32 all-reduce."""
     layout = _chunks.leaf_layout(x.size, selection.density)
     rows = as_rows(x, layout.chunk, layout.chunks)
-    _, scale, index = _chunks.encode(rows, layout.k, selection.bits)
-    return from_rows(_chunks.sent(rows, index, scale, selection.bits), x)
+    _, scale, chosen = _chunks.encode(rows, layout.k, selection.bits)
+    return from_rows(_chunks.sent(rows, chosen, scale, layout.k, selection.bits), x)
 
 
 def _gather_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     """``"all_gather"``: every device's payload gathered and added up."""
     layout, bits = _chunks.leaf_layout(x.size, selection.density), selection.bits
     rows = as_rows(x, layout.chunk, layout.chunks)
-    entries, scale, index = _chunks.encode(rows, layout.k, bits)
+    entries, scale, chosen = _chunks.encode(rows, layout.k, bits)
     entries, scales = jax.lax.all_gather((entries, scale), wire.axis)
     total = _placement.on_each_device(
         lambda e, s: _chunks.decode_sum(e, s, layout.chunk, layout.k, bits),
@@ -248,7 +248,7 @@ def _gather_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     )
     return _Leaf(
         from_rows(total, x),
-        from_rows(_chunks.sent(rows, index, scale, bits), x),
+        from_rows(_chunks.sent(rows, chosen, scale, layout.k, bits), x),
         jnp.all(jnp.isfinite(scales)),
     )
 
@@ -267,8 +267,8 @@ def _owners_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     n, bits = wire.num_devices, selection.bits
     layout = _chunks.shard_layout(x.size, selection.density, n)
     rows = as_rows(x, layout.chunk, n * layout.chunks)
-    entries, scale, index = _chunks.encode(rows, layout.k, bits)
-    sent = _chunks.sent(rows, index, scale, bits)
+    entries, scale, chosen = _chunks.encode(rows, layout.k, bits)
+    sent = _chunks.sent(rows, chosen, scale, layout.k, bits)
 
     def to_owners(a: jax.Array) -> jax.Array:
         by_owner = a.reshape(n, layout.chunks, *a.shape[1:])
@@ -288,8 +288,8 @@ def _owners_sum(x: jax.Array, selection: _Selection, wire: Wire) -> _Leaf:
     )
 
     k = _chunks.entries_per_chunk(layout.chunk, selection.owner_density)
-    owner_entries, owner_scale, owner_index = _chunks.encode(owned, k, bits)
-    owner_sent = _chunks.sent(owned, owner_index, owner_scale, bits)
+    owner_entries, owner_scale, owner_chosen = _chunks.encode(owned, k, bits)
+    owner_sent = _chunks.sent(owned, owner_chosen, owner_scale, k, bits)
     sent = jax.lax.dynamic_update_slice_in_dim(sent, own - owned + owner_sent, start, 0)
     entries, scales = jax.lax.all_gather((owner_entries, owner_scale), wire.axis)
     total = _placement.on_each_device(
