@@ -40,7 +40,9 @@ loopback:
   `compressed_average_across_devices` and `codecs.quantized` (bits=4),
   `codecs.topk` (3 %, 4 bits), `codecs.topk` (1 %, 2 bits)) and
   ``diloco32_topk125k`` (`codecs.topk` (1.25 %, 2 bits), each process
-  keeping half of what it did not send: ``diloco(keep_unsent=0.5)``). Median of
+  keeping half of what it did not send: ``diloco(keep_unsent=0.5)``) and
+  ``diloco32_topk50b1k`` (`codecs.topk` (50 %, one bit, through the
+  shards' owners), keeping half). Median of
   ``--repeats`` after ``--warmup``, within ``--budget`` seconds per
   variant: at 10 Mbit/s one float32 sync takes about 30 s, and such a
   variant is timed from one repeat (the JSON lists each variant's count);
@@ -380,6 +382,11 @@ PLOT_STYLES = {
         "DiLoCo H=32 top-k 1.25 % 2-bit outer, keep 0.5, per step",
         "h-",
         "C8",
+    ),
+    "diloco32_topk50b1k": (
+        "DiLoCo H=32 top-k 50 % 1-bit owners outer, keep 0.5, per step",
+        "p-",
+        "C9",
     ),
 }
 
