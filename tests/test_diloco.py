@@ -1181,6 +1181,11 @@ def _per_call_arrays(codec, axis_type):
         (ga.codecs.quantized(bits=4), AxisType.Auto),
         (ga.codecs.topk(0.01, collective="reduce_scatter"), AxisType.Explicit),
         (ga.codecs.topk(0.01, collective="reduce_scatter"), AxisType.Auto),
+        (
+            ga.codecs.topk(0.5, bits=1, collective="reduce_scatter"),
+            AxisType.Explicit,
+        ),
+        (ga.codecs.topk(0.5, bits=1, collective="reduce_scatter"), AxisType.Auto),
     ],
     ids=[
         "e2m1-explicit",
@@ -1191,6 +1196,8 @@ def _per_call_arrays(codec, axis_type):
         "e2m1-auto",
         "topk-reduce-scatter-explicit",
         "topk-reduce-scatter-auto",
+        "topk-1-bit-map-reduce-scatter-explicit",
+        "topk-1-bit-map-reduce-scatter-auto",
     ],
 )
 def test_a_call_that_does_not_sync_makes_what_float32_diloco_makes(codec, axis_type):
