@@ -559,12 +559,15 @@ DROPPED = [
     codecs.quantized(bits=8),
     codecs.topk(0.02),
     codecs.topk(0.02, collective="reduce_scatter"),
+    codecs.topk(0.5, bits=1, collective="reduce_scatter"),
     codecs.powersgd(2),
 ]
 
 
 @pytest.mark.parametrize(
-    "codec", DROPPED, ids=["int8", "topk", "topk-reduce-scatter", "powersgd"]
+    "codec",
+    DROPPED,
+    ids=["int8", "topk", "topk-reduce-scatter", "topk-1-bit-map", "powersgd"],
 )
 def test_a_zero_weight_device_with_nan_gradients_contributes_nothing(codec):
     tx = ga.compressed_average_across_devices("i", codec)

@@ -76,7 +76,7 @@ def _entries_nbytes(chunk: int, k: int, bits: int) -> int:
 
 
 def _map_words(chunk: int, bits: int) -> int:
-    """The uint32 words of one chunk's map (see `pack_map`)."""
+    """The uint32 words of one chunk's map (see `_pack_map`)."""
     return _packing.packed_words(chunk, 1, levels(bits))
 
 
@@ -277,8 +277,8 @@ def sent(
     return jnp.where(_sent_mask(rows, chosen, k, bits), decoded, 0.0)
 
 
-# Chunks whose magnitudes one TopK reads at a time: 4 MiB of float32 at
-# chunks of 4096.
+# Chunks whose magnitudes one search (a TopK, a bisection) reads at a
+# time: 4 MiB of float32 at chunks of 4096.
 TOP_K_ROWS = 256
 
 
