@@ -47,10 +47,10 @@ same examples. Methods:
   1.6 bits an element through the shards' owners; every leaf of 32
   elements or more coded) with the Nesterov outer step of the other rows
   (see ``KEEP_CODECS``);
-- ``DP topk 1%``, ``DP PowerSGD r4`` and ``DP PowerSGD r7``: data parallel
-  with the gradients averaged by those codecs every step (rank 7 is the
-  largest whose factors stay within 1/10 of the float32 bytes on the
-  digits MLP);
+- ``DP topk 1%``, ``DP PowerSGD r4``, ``DP PowerSGD r7`` and ``DP topk
+  50% 1-bit owners``: data parallel with the gradients averaged by those
+  codecs every step (rank 7 is the largest whose factors stay within 1/10
+  of the float32 bytes on the digits MLP);
 - ``DP PowerSGD r4 warm-up 5``: the same at rank 4, its first 5 steps
   averaged in float32 (``powersgd(4, warmup=5)``, PyTorch's
   ``start_powerSGD_iter``);
@@ -331,15 +331,16 @@ def methods(
         *[
             Method(
                 f"DP {name}",
-                data_parallel(
-                    ga.compressed_average_across_devices(
-                        AXIS, CODECS[name], seed=TERNARY_SEED
-                    )
-                ),
+                data_parallel(_codec_average(codec)),
                 _params_as_is,
                 lambda steps: 0,
             )
-            for name in ("topk 1%", "PowerSGD r4", "PowerSGD r7")
+            for name, codec in (
+                ("topk 1%", CODECS["topk 1%"]),
+                ("PowerSGD r4", CODECS["PowerSGD r4"]),
+                ("PowerSGD r7", CODECS["PowerSGD r7"]),
+                ("topk 50% 1-bit owners", KEEP_CODECS["topk 50% 1-bit owners"]),
+            )
         ],
         windowed("float32", ga.average_across_devices(AXIS)),
         *[
