@@ -1049,7 +1049,14 @@ def test_a_map_sends_no_zero_and_every_tie_at_the_kth_magnitude():
 
 @pytest.mark.parametrize(
     ("density", "bits", "as_map"),
-    [(0.5, 1, True), (0.01, 1, False), (0.5, 2, True), (0.3, 4, True), (0.2, 4, False)],
+    [
+        (0.5, 1, True),
+        (0.01, 1, False),
+        (0.5, 2, True),
+        (0.3, 4, True),
+        (0.2, 4, False),
+        (0.5, 8, True),
+    ],
 )
 def test_topk_sends_the_same_values_as_entries_or_as_a_map(density, bits, as_map):
     """Whichever payload is smaller (the entries' words, or a map of every

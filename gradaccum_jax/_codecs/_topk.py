@@ -78,8 +78,10 @@ def topk(
     a chunk goes as a map instead: every element's code, 0 where nothing
     was sent, packed in base ``2**bits + 1`` (20 to a uint32 word in one
     bit: 1.6 bits an element whatever the density, against 16 bits an
-    entry; in 2 and 4 bits, 13 and 7 to a word). Top-k is biased: use it
-    with error feedback, which keeps everything not sent.
+    entry; in 2, 4 and 8 bits, 13, 7 and 3 to a word), and its entries
+    are the nonzero ones at or above its ``k``-th magnitude (every tie
+    goes). Top-k is biased: use it with error feedback, which keeps
+    everything not sent.
 
     ``collective`` says how the devices' entries are summed:
 
