@@ -38,8 +38,16 @@ one worker on a GPU: its collectives move nothing, so a sync's time there is
 the codec's arithmetic (encoding, decoding, error feedback) and the outer
 step's.
 
-Run: ``python benchmarks/bench_codecs.py [bytes|formats|steps]`` (all by
-default; ``steps`` takes minutes: ``--layouts``, ``--rounds``,
+``select``: how `codecs.topk` finds which entries of a chunk go at a high
+density, on the chunks of bench_network.py's timing model (4,740,106
+float32 values, 1,158 chunks of 4096, seed 0), half of each chunk: the
+map's k-th magnitude by bisection (what `codecs.topk` does where a chunk
+goes as a map) against ``jax.lax.top_k`` of the magnitudes (the entries'
+search), each jitted, the median of 5 calls after one; their results
+compared.
+
+Run: ``python benchmarks/bench_codecs.py [bytes|formats|steps|select]``
+(all by default; ``steps`` takes minutes: ``--layouts``, ``--rounds``,
 ``--off-sync``, ``--workers``, ``--batch``)
 """
 
@@ -362,12 +370,47 @@ def steps_table(table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def selection_times(repeats: int = 5) -> dict[str, float]:
+    """``select``: milliseconds to find half of each chunk's entries, by
+    the map's bisection and by a TopK (see the module's docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gradaccum_jax._codecs import _chunks
+
+    size = 4_740_106
+    values = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    chunks = -(-size // _chunks.CHUNK)
+    rows = jnp.asarray(np.pad(values, (0, chunks * _chunks.CHUNK - size)))
+    rows = rows.reshape(chunks, _chunks.CHUNK)
+    k = _chunks.entries_per_chunk(_chunks.CHUNK, 0.5)
+    searches = {
+        "bisection (k-th magnitude)": jax.jit(lambda r: _chunks.selection(r, k, 1)),
+        "lax.top_k (k-th magnitude)": jax.jit(
+            lambda r: jax.lax.top_k(jnp.abs(r), k)[0][:, k - 1 :]
+        ),
+    }
+    found = {name: np.asarray(search(rows)) for name, search in searches.items()}
+    bisection, top_k = found.values()
+    if not np.array_equal(bisection, top_k):
+        raise AssertionError("the bisection and the TopK disagree")
+    times = {}
+    for name, search in searches.items():
+        laps = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(search(rows))
+            laps.append(time.perf_counter() - start)
+        times[name] = 1e3 * statistics.median(laps)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "part",
         nargs="?",
-        choices=("bytes", "formats", "steps", "all"),
+        choices=("bytes", "formats", "steps", "select", "all"),
         default="all",
     )
     parser.add_argument(
@@ -423,6 +466,11 @@ def main() -> None:
                 f"medians of {args.rounds} rounds (load average after: {load}):"
             )
             print(steps_table(table))
+
+    if args.part in ("select", "all"):
+        print("half of each of 1,158 chunks of 4096 (4.7M float32), median ms:")
+        for name, ms in selection_times().items():
+            print(f"  {name:28s} {ms:8.1f}")
 
 
 if __name__ == "__main__":

@@ -779,6 +779,13 @@ WINDOW_CASES = {
         jnp.bfloat16,
         codecs.topk(0.5, bits=1, collective="reduce_scatter"),
     ),
+    "2d-explicit-tp-f32-topk-1-bit-map-reduce-scatter": (
+        ((4, 2), ("data", "model")),
+        AxisType.Explicit,
+        TP,
+        jnp.float32,
+        codecs.topk(0.5, bits=1, collective="reduce_scatter"),
+    ),
     "2d-explicit-fsdp-f32-topk-1-bit-map": (
         ((4, 2), ("data", "fsdp")),
         AxisType.Explicit,

@@ -111,17 +111,16 @@ def encode(rows: jax.Array, k: int, bits: int) -> tuple[Any, jax.Array, jax.Arra
     """
     chunk = rows.shape[1]
     chosen = selection(rows, k, bits)
+    finite = jnp.all(jnp.isfinite(rows), axis=1)
     if as_map(chunk, k, bits):
-        magnitudes = jnp.where(_sent_mask(rows, chosen, k, bits), jnp.abs(rows), 0.0)
-    else:
-        values = jnp.take_along_axis(rows, chosen, axis=1)
-        magnitudes = jnp.abs(values)
-    scale = _scale(magnitudes, bits)
-    # A chunk holding a NaN or an infinity gets an infinite scale, which
-    # every device sees in the gathered scales.
-    scale = jnp.where(jnp.all(jnp.isfinite(rows), axis=1), scale, jnp.inf)
-    if as_map(chunk, k, bits):
-        return _pack_map(rows, chosen, scale, k, bits), scale, chosen
+        mask = _sent_mask(rows, chosen, k, bits)
+        scale = _scale(jnp.where(mask, jnp.abs(rows), 0.0), bits)
+        # A chunk holding a NaN or an infinity gets an infinite scale,
+        # which every device sees in the gathered scales.
+        scale = jnp.where(finite, scale, jnp.inf)
+        return _pack_map(rows, mask, scale, bits), scale, chosen
+    values = jnp.take_along_axis(rows, chosen, axis=1)
+    scale = jnp.where(finite, _scale(jnp.abs(values), bits), jnp.inf)
     dtype = entry_dtype(chunk, bits)
     if bits == 32:
         return (chosen.astype(dtype), values), scale, chosen
@@ -180,14 +179,15 @@ def _kth_magnitudes(rows: jax.Array, k: int) -> jax.Array:
     a row's magnitudes at or above the middle, end at the largest pattern
     with at least ``k`` magnitudes at or above it: the ``k``-th. Each
     halving is one pass over the rows that XLA fuses (a compare and a
-    row sum): on 1,160 chunks of 4096 on CPU 50 ms, where a TopK of 2048
-    took 780 ms (a DiLoCo sync of a 4.7M-parameter MLP at 50 % spent
-    1.2 s in it).
+    row sum): on the 1,158 chunks of a 4.7M-parameter MLP on CPU 50 ms,
+    where the k-th of a TopK of half of each took 809 ms
+    (``bench_codecs.py select``).
     """
     patterns = jax.lax.bitcast_convert_type(jnp.abs(rows), jnp.int32)
     chunks = rows.shape[0]
     # count(>= low) >= k always (every pattern is >= 0); count(>= high) < k
-    # (above +inf, below every NaN's pattern).
+    # where the row is finite (high is +inf's pattern plus one, the first
+    # NaN's: a row holding NaNs gets an infinite scale whatever is found).
     low = jnp.zeros((chunks, 1), jnp.int32)
     high = jnp.full((chunks, 1), 0x7F800001, jnp.int32)
 
@@ -231,14 +231,14 @@ def _sent_mask(rows: jax.Array, chosen: jax.Array, k: int, bits: int) -> jax.Arr
 
 
 def _pack_map(
-    rows: jax.Array, chosen: jax.Array, scale: jax.Array, k: int, bits: int
+    rows: jax.Array, mask: jax.Array, scale: jax.Array, bits: int
 ) -> jax.Array:
     """Each chunk's map: every element's code in ``[-levels, levels]``
-    (the sign times the magnitude's level where sent, else 0), packed in
-    uint32 words chunk by chunk."""
+    (the sign times the magnitude's level where ``mask`` says it is sent,
+    else 0), packed in uint32 words chunk by chunk."""
     top = levels(bits)
     code = jnp.where(rows < 0, -1, 1) * _magnitude(rows, scale, top).astype(jnp.int32)
-    code = jnp.where(_sent_mask(rows, chosen, k, bits), code, 0)
+    code = jnp.where(mask, code, 0)
     return jax.vmap(lambda c: _packing.pack(c, 1, top))(code)
 
 
