@@ -1041,9 +1041,8 @@ def test_topk_in_one_bit_sends_the_sign_at_a_level_orthogonal_to_the_rest():
 def test_a_map_sends_no_zero_and_every_tie_at_the_kth_magnitude():
     """A map's entries are the nonzero ones at or above the chunk's k-th
     magnitude (found by bisection on its bit pattern): of a chunk with 10
-    nonzero entries only those go, at their one-bit level, where entries
-    would carry 2038 zeros at it; of a chunk whose magnitudes are all
-    equal every entry goes, exactly."""
+    nonzero entries only those go, at their one-bit level; of a chunk
+    whose magnitudes are all equal every entry goes, exactly."""
     x = np.zeros((2, 4096), np.float32)
     x[0, :10] = np.linspace(1, 2, 10)
     x[1] = np.where(np.arange(4096) % 2, 0.5, -0.5)
@@ -1052,6 +1051,32 @@ def test_a_map_sends_no_zero_and_every_tie_at_the_kth_magnitude():
     np.testing.assert_allclose(got[0, :10], level, rtol=1e-6)
     np.testing.assert_array_equal(got[0, 10:], 0.0)
     np.testing.assert_array_equal(got[1], x[1])
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_entries_of_a_chunk_with_fewer_nonzeros_than_k_send_no_zero(bits, collective):
+    """Each device's chunks of 4096 hold 3 nonzero elements, where
+    density 0.01 sends 41 entries: the zeros are not sent (a code has no
+    zero; they would go at the lowest level, a step of the chunk's scale),
+    so the mean moves only what some device moved. Every nonzero is +-1,
+    each chunk's scale: every code is exact, and so is the mean, also
+    where each shard's owner codes the sum of 24 entries again, and
+    nothing is left for error feedback to send later."""
+    rng = np.random.default_rng(5)
+    x = np.zeros((N, 8 * 4096), np.float32)
+    for device in range(N):
+        for chunk in range(8):
+            picked = chunk * 4096 + rng.choice(4096, 3, replace=False)
+            x[device, picked] = rng.choice([-1.0, 1.0], 3)
+    tx = ga.compressed_average_across_devices(
+        "i", codecs.topk(0.01, bits=bits, collective=collective)
+    )
+    means, state = jax.pmap(tx.update, axis_name="i")(
+        {"x": x}, _replicate(tx.init({"x": x[0]}))
+    )
+    np.testing.assert_array_equal(np.asarray(means["x"][0]), x.mean(axis=0))
+    np.testing.assert_array_equal(np.asarray(state.residual["x"]), 0.0)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ the ``k`` entries of largest magnitude, each value quantized against a
 scale per chunk (float32), in one of two forms, whichever is smaller:
 
 - the entries: each one's index in its chunk and its value's code, packed
-  in one uint16 (or uint32) word (a low density);
+  in one uint16 (or uint32) word (a low density). A code has no zero, so
+  a chunk with fewer nonzero elements than ``k`` repeats its last nonzero
+  entry in the slots left, and the decoding drops a repeated entry;
 - a map of the chunk: every element's code, 0 where nothing was sent,
   several to a uint32 word in base ``2 levels + 1`` (`_packing.pack`: 20
   to a word in one bit, the sign alone). At a high density the map is the
@@ -133,7 +135,23 @@ def encode(rows: jax.Array, k: int, bits: int) -> tuple[Any, jax.Array, jax.Arra
     # Built in the entry's own dtype: a narrowing convert after the
     # packing is moved by XLA after the all-gather, which then carries
     # uint32 words (twice the bytes of uint16 entries).
-    return chosen.astype(dtype) | (code.astype(dtype) << index_bits), scale, chosen
+    words = chosen.astype(dtype) | (code.astype(dtype) << index_bits)
+    return _repeat_for_zeros(words, values), scale, chosen
+
+
+def _repeat_for_zeros(words: jax.Array, values: jax.Array) -> jax.Array:
+    """Each chunk's entry ``words`` with those of zero ``values`` replaced
+    by the chunk's last nonzero entry, which `decode_entries` drops.
+
+    A TopK lists a chunk's entries by decreasing magnitude, so where a
+    chunk has fewer nonzero elements than ``k`` its zeros come last, each
+    one a repeat of the entry before it. Sent as they are, they would
+    decode to the lowest level (a code has no zero): in the devices' mean,
+    an element no device had moved by a step of the chunk's scale.
+    """
+    nonzero = values != 0
+    last = jnp.maximum(jnp.sum(nonzero, axis=1, keepdims=True) - 1, 0)
+    return jnp.where(nonzero, words, jnp.take_along_axis(words, last, axis=1))
 
 
 def selection(rows: jax.Array, k: int, bits: int) -> jax.Array:
@@ -221,13 +239,14 @@ def _sent_mask(rows: jax.Array, chosen: jax.Array, k: int, bits: int) -> jax.Arr
     """True where `selection` ``chosen`` says an entry of ``rows`` was sent."""
     chunks, chunk = rows.shape
     if as_map(chunk, k, bits):
-        magnitudes = jnp.abs(rows)
-        return (magnitudes >= chosen) & (magnitudes > 0)
-    return (
-        jnp.zeros((chunks, chunk), jnp.bool_)
-        .at[jnp.arange(chunks)[:, None], chosen]
-        .set(True, unique_indices=True)
-    )
+        picked = jnp.abs(rows) >= chosen
+    else:
+        picked = (
+            jnp.zeros((chunks, chunk), jnp.bool_)
+            .at[jnp.arange(chunks)[:, None], chosen]
+            .set(True, unique_indices=True)
+        )
+    return picked & (rows != 0)  # no zero is sent (see `_repeat_for_zeros`)
 
 
 def _pack_map(
@@ -309,7 +328,12 @@ def decode_entries(
     entries: Any, scales: jax.Array, chunk: int, bits: int
 ) -> tuple[jax.Array, jax.Array]:
     """The int32 indices and float32 values of entries (any leading axes
-    before the chunks' ``k`` entries)."""
+    before the chunks' ``k`` entries).
+
+    A repeated entry (`_repeat_for_zeros`) gets an index past the chunk's
+    end, its own, which the scatters that add or place the entries drop
+    (``mode="drop"``): every index stays distinct within a chunk.
+    """
     if bits == 32:
         index, values = entries
         return index.astype(jnp.int32), values
@@ -317,6 +341,11 @@ def decode_entries(
     index_bits = max(chunk - 1, 1).bit_length()
     words = entries.astype(jnp.uint32)
     index = (words & ((1 << index_bits) - 1)).astype(jnp.int32)
+    repeated = jnp.concatenate(
+        [jnp.zeros_like(words[..., :1], jnp.bool_), words[..., 1:] == words[..., :-1]],
+        axis=-1,
+    )
+    index = jnp.where(repeated, chunk + jnp.arange(words.shape[-1]), index)
     code = words >> index_bits
     magnitude = ((code & (top - 1)) + 1).astype(jnp.float32)
     return index, _value((code & top) != 0, magnitude, scales, top)
@@ -331,7 +360,9 @@ def scatter_add(total: jax.Array, index: jax.Array, values: jax.Array) -> jax.Ar
     per device)."""
     rows = jnp.arange(total.shape[0])[:, None]
     for d in range(values.shape[0]):
-        total = total.at[rows, index[d]].add(values[d], unique_indices=True)
+        total = total.at[rows, index[d]].add(
+            values[d], unique_indices=True, mode="drop"
+        )
     return total
 
 
@@ -386,4 +417,4 @@ def decode_shards(
     index, values = (a.reshape(n * chunks, -1) for a in (index, values))
     zeros = jnp.zeros((n * chunks, chunk), jnp.float32)
     rows = jnp.arange(n * chunks)[:, None]
-    return zeros.at[rows, index].set(values, unique_indices=True)
+    return zeros.at[rows, index].set(values, unique_indices=True, mode="drop")

@@ -74,7 +74,10 @@ def topk(
     chunk at one level, ``sum(v**2) / sum(|v|)`` over its sent entries
     ``v`` (what stays of them is orthogonal to them: none of their
     direction waits in the residual). Index and code share one uint16 word
-    where they fit (12 + 1 to 4 bits), else a uint32. Where it is smaller,
+    where they fit (12 + 1 to 4 bits), else a uint32. No zero is sent: a
+    chunk with fewer nonzero elements than ``k`` sends those (a code has
+    no zero; the slots left repeat its last entry, which the decoding
+    drops). Where it is smaller,
     a chunk goes as a map instead: every element's code, 0 where nothing
     was sent, packed in base ``2**bits + 1`` (20 to a uint32 word in one
     bit: 1.6 bits an element whatever the density, against 16 bits an
