@@ -29,7 +29,13 @@ not sync) or 31 (the sync). Every round calls each step once (the calls that
 do not sync ``--off-sync`` times), in an order turned each round, so that
 the load of other programs falls on all alike; the medians over ``--rounds``
 rounds are reported, wall time and the process's CPU time (less sensitive to
-other programs on a shared machine), as ratios to the local step's. Two
+other programs on a shared machine), as ratios to the local step's, and the
+minor page faults of a call that does not sync: XLA:CPU allocates a call's
+temporaries afresh, and glibc maps a block of more than 32 MiB from the
+kernel each time, so every page the call touches faults once (with
+``MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=8000000000
+MALLOC_TOP_PAD_=1000000000`` in the environment glibc keeps freed memory
+and no call faults). Two
 layouts: ``shard_map`` (each device's params and state inside
 ``jax.shard_map``, as in pmap / shard_map chains and bench_network.py) and
 ``stacked`` (the workers stacked under ``jax.jit``: `stack_workers`,
@@ -56,6 +62,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -304,7 +311,7 @@ def step_times(
     runs = {name: train_step(tx, layout, mesh) for name, tx in transformations.items()}
     carries = {name: (params, state) for name, (_, params, state) in runs.items()}
 
-    def call(name: str, sync: bool) -> tuple[float, float]:
+    def call(name: str, sync: bool) -> tuple[float, float, int]:
         params, state = carries[name]
         if name != "local":
             # The cycle's last step syncs (one fragment); its first does not.
@@ -314,15 +321,17 @@ def step_times(
             )
             state = state._replace(cycle_step=cycle_step)
         with jax.set_mesh(mesh):
+            faults = _minor_faults()
             wall, cpu = time.perf_counter(), time.process_time()
             carries[name] = jax.block_until_ready(
                 runs[name][0](params, state, *examples)
             )
-            return time.perf_counter() - wall, time.process_time() - cpu
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            return wall, cpu, _minor_faults() - faults
 
     calls = [(name, False) for name in transformations] * off_sync
     calls += [(name, True) for name in step_codecs()]
-    times: dict[tuple[str, bool], list[tuple[float, float]]] = {
+    times: dict[tuple[str, bool], list[tuple[float, float, int]]] = {
         key: [] for key in calls
     }
     for repeat in range(rounds + 1):  # the first compiles and warms up
@@ -343,10 +352,17 @@ def step_times(
         table[name] = {
             "off-sync": median_ms((name, False), 0),
             "off-sync cpu": median_ms((name, False), 1),
+            "off-sync faults": statistics.median(t[2] for t in times[name, False]),
         }
         if name != "local":
             table[name]["sync"] = median_ms((name, True), 0)
     return table
+
+
+def _minor_faults() -> int:
+    """The process's minor page faults so far: a page it touched for the
+    first time since the kernel mapped it (see the module's docstring)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def steps_table(table: dict[str, dict]) -> str:
@@ -354,9 +370,10 @@ def steps_table(table: dict[str, dict]) -> str:
     local = table["local"]
     lines = [
         "| outer reduction | call that does not sync (ms) | / local step "
-        "| CPU time / local step's | call that syncs (ms) |",
-        "|---|---:|---:|---:|---:|",
-        f"| local step (sgd alone) | {local['off-sync']:.2f} | 1 | 1 | |",
+        "| CPU time / local step's | page faults a call | call that syncs (ms) |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| local step (sgd alone) | {local['off-sync']:.2f} | 1 | 1 "
+        f"| {local['off-sync faults']:,.0f} | |",
     ]
     for name, row in table.items():
         if name == "local":
@@ -365,7 +382,7 @@ def steps_table(table: dict[str, dict]) -> str:
             f"| {name} | {row['off-sync']:.2f} "
             f"| {row['off-sync'] / local['off-sync']:.3f} "
             f"| {row['off-sync cpu'] / local['off-sync cpu']:.3f} "
-            f"| {row['sync']:.2f} |"
+            f"| {row['off-sync faults']:,.0f} | {row['sync']:.2f} |"
         )
     return "\n".join(lines)
 
