@@ -9,8 +9,9 @@ whose bandwidth the orchestrator limits with ``tc``.
 Two tasks:
 
 - ``timing``: the jitted data-parallel step (``jax.shard_map`` over the
-  2-device mesh, parameters replicated, the batch split) of a 4.7M-parameter
-  MLP, once per variant: ``f32`` (`average_across_devices`, a float32 mean),
+  2-device mesh, a copy of the parameters on each device, the batch split)
+  of a 4.7M-parameter MLP, once per variant: ``f32``
+  (`average_across_devices`, a float32 mean),
   ``ternary`` (`ternary_average_across_devices`) and ``accum8`` (`MultiSteps`
   with k=8 around the float32 mean: one all-reduce per 8 micro-steps) and
   ``diloco32`` (`diloco` with the same sgd as inner optimizer, H=32: each
@@ -191,12 +192,15 @@ def loss_fn(params, x, y):
 class DataParallel:
     """A jitted data-parallel train step over a 1-D mesh of ``devices``.
 
-    Parameters are replicated (``P()``), or with ``per_device_params``
-    (DiLoCo's workers, which drift apart between syncs) one copy per device
-    on a leading axis (``P(AXIS)``); the batch is split over the mesh axis;
-    the optimizer state is per device (a leading axis of size
-    ``len(devices)``, ``P(AXIS)``), since the ternary residuals and the
-    accumulator differ from device to device.
+    Each device holds its own copy of the parameters, a block of one on a
+    leading axis (``P(AXIS)``): the same on every device for data
+    parallelism, apart between syncs for DiLoCo's workers
+    (``per_device_params``). The batch is split over the mesh axis; the
+    optimizer state is per device too (the ternary residuals and the
+    accumulator differ from device to device). Every value is typed as
+    varying over the axis, so ``jax.shard_map`` checks the step as it is
+    (its default ``check_vma=True``) and ``jax.grad`` gives each device the
+    gradient of its own examples.
     """
 
     def __init__(self, devices: list[Any], tx: Any, per_device_params: bool = False):
@@ -206,10 +210,8 @@ class DataParallel:
         from jax.sharding import PartitionSpec as P
 
         self.mesh = Mesh(np.array(devices), (AXIS,))
-        self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(AXIS))
         self.per_device_params = per_device_params
-        params_spec = P(AXIS) if per_device_params else P()
 
         def local(tree):  # this device's block (leading axis 1) -> its value
             return jax.tree.map(lambda leaf: leaf[0], tree)
@@ -217,39 +219,25 @@ class DataParallel:
         def stacked(tree):
             return jax.tree.map(lambda leaf: leaf[None], tree)
 
-        # Per-device params enter and leave each device as a block of one.
-        params_in = local if per_device_params else lambda tree: tree
-        params_out = stacked if per_device_params else lambda tree: tree
-
         def step(params, state, x, y):
             # Each device differentiates the loss of its own examples; the
             # transformation averages the gradients (or DiLoCo's outer
             # gradients, at a sync) across devices.
-            params = params_in(params)
+            params = local(params)
             grads = jax.grad(loss_fn)(params, x, y)
             updates, state = tx.update(grads, local(state), params)
-            return params_out(optax.apply_updates(params, updates)), stacked(state)
+            return stacked(optax.apply_updates(params, updates)), stacked(state)
 
-        # check_vma=False: the averaged updates, hence the new parameters, are
-        # the same on every device, but JAX cannot prove it for MultiSteps
-        # (whose non-emitting branch returns this device's zeros), so the
-        # P() output is not checked. It also keeps jax.grad from summing the
-        # gradient of the replicated parameters over the axis itself.
         def shard_map(f, in_specs, out_specs):
             return jax.shard_map(
-                f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                check_vma=False,
-            )  # fmt: skip
+                f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs
+            )
 
         self._init = jax.jit(
-            shard_map(lambda p: stacked(tx.init(params_in(p))), params_spec, P(AXIS))
+            shard_map(lambda p: stacked(tx.init(local(p))), P(AXIS), P(AXIS))
         )
         self.step = jax.jit(
-            shard_map(
-                step,
-                (params_spec, P(AXIS), P(AXIS), P(AXIS)),
-                (params_spec, P(AXIS)),
-            ),
+            shard_map(step, (P(AXIS),) * 4, (P(AXIS), P(AXIS))),
             donate_argnums=(0, 1),
         )
 
@@ -264,14 +252,11 @@ class DataParallel:
     def init(self, params: dict[str, np.ndarray]) -> tuple[Any, Any]:
         import jax
 
-        if self.per_device_params:
-            copies = len(self.mesh.devices)
-            params = jax.tree.map(
-                lambda p: self.put(np.broadcast_to(p, (copies, *p.shape)), self.split),
-                params,
-            )
-        else:
-            params = jax.tree.map(lambda p: self.put(p, self.replicated), params)
+        copies = len(self.mesh.devices)
+        params = jax.tree.map(
+            lambda p: self.put(np.broadcast_to(p, (copies, *p.shape)), self.split),
+            params,
+        )
         return params, self._init(params)
 
 
@@ -329,9 +314,7 @@ def time_variant(
         per_device_params=variant in DILOCO_VARIANTS,
     )
     params, state = trainer.init(init_mlp(TIMING_LAYERS, seed=0))
-    num_params = sum(int(p.size) for p in jax.tree.leaves(params))
-    if trainer.per_device_params:
-        num_params //= n
+    num_params = sum(int(p.size) for p in jax.tree.leaves(params)) // n
     rng = np.random.default_rng(1)
     batch = n * per_device_batch
     x = rng.normal(size=(batch, TIMING_LAYERS[0])).astype(np.float32)
@@ -440,13 +423,10 @@ def train_digits(
         x = trainer.put(x_train[idx], trainer.split)
         y = trainer.put(y_train[idx], trainer.split)
         params, state = trainer.step(params, state, x, y)
-    if trainer.per_device_params:
-        # The anchor, the same on every device: this process' own row.
-        host = jax.tree.map(
-            lambda leaf: np.asarray(leaf.addressable_data(0))[0], state.anchor
-        )
-    else:
-        host = jax.tree.map(np.asarray, params)  # replicated: fully addressable
+    # The params (DiLoCo: the anchor), the same on every device: this
+    # process' own row.
+    trained = state.anchor if trainer.per_device_params else params
+    host = jax.tree.map(lambda leaf: np.asarray(leaf.addressable_data(0))[0], trained)
     seconds = time.perf_counter() - start
     predictions = np.argmax(np.asarray(logits_fn(host, x_test)), axis=-1)
     return {

@@ -261,9 +261,7 @@ def train_step(tx, layout: str, mesh):
         return stacked(optax.apply_updates(params, updates)), stacked(state)
 
     def mapped(fn, in_specs, out_specs):
-        return jax.shard_map(
-            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
     split = jax.sharding.NamedSharding(mesh, P("i"))
     params = jax.device_put(

@@ -24,7 +24,8 @@ loopback:
   127.0.0.1 with gloo CPU collectives, one CPU device each, one mesh over
   both; all their traffic stays in the namespace;
 - the workers time the jitted data-parallel step (``jax.shard_map``,
-  parameters replicated, batch split) of a 4.7M-parameter MLP, 4 examples
+  a copy of the parameters on each device, batch split) of a
+  4.7M-parameter MLP, 4 examples
   per process per step unless ``--batch`` says otherwise (little
   arithmetic, so that communication shows; more examples give a step more
   arithmetic per synced byte, as a real model's has), with each

@@ -107,7 +107,6 @@ def worker(args: argparse.Namespace) -> None:
                 mesh=mesh,
                 in_specs=(P("d"), P("d")),
                 out_specs=(P("d"), P("d")),
-                check_vma=False,
             )
         )
 

@@ -258,6 +258,9 @@ def map_unreduced_terms(
         terms,
         specs,
     )
+    # Unchecked: JAX has no cast from unreduced to varying in a checked map
+    # (`pcast` knows only the reverse), and each device's term is what it
+    # holds.
     return jax.shard_map(
         fn,
         in_specs=(specs, specs, jax.sharding.PartitionSpec(unreduced=unreduced)),

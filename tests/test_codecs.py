@@ -143,9 +143,10 @@ def test_wire_bytes_from_the_compiled_hlo(codec, coded_bytes, fraction):
 # --- error feedback -------------------------------------------------------
 
 
-def _running_mean_errors(tx, steps, grads):
-    """Relative error of the running mean of the returned means after each
-    of ``steps`` (a tuple), on constant inputs."""
+def _running_mean_errors_by_leaf(tx, steps, grads):
+    """Per leaf of ``grads``, the relative error of the running mean of the
+    returned means after each of ``steps`` (a tuple), the inputs the same
+    at every step."""
 
     def run(g, state):
         def step(state, _):
@@ -154,20 +155,26 @@ def _running_mean_errors(tx, steps, grads):
 
         return jax.lax.scan(step, state, None, length=max(steps))[1]
 
-    state = _replicate(tx.init(_params()))
-    means = jax.pmap(run, axis_name="i")(grads, state)
-    errors = []
-    for name in ("w", "s"):
+    params = _params({name: leaf.shape[1:] for name, leaf in grads.items()})
+    means = jax.pmap(run, axis_name="i")(grads, _replicate(tx.init(params)))
+    errors = {}
+    for name in grads:
         series = np.asarray(means[name][0], np.float64)  # device 0's
         target = np.asarray(grads[name], np.float64).mean(0)
         cumulative = np.cumsum(series, axis=0)
-        errors.append(
+        errors[name] = np.array(
             [
                 np.linalg.norm(cumulative[t - 1] / t - target) / np.linalg.norm(target)
                 for t in steps
             ]
         )
-    return np.max(errors, axis=0)
+    return errors
+
+
+def _running_mean_errors(tx, steps, grads):
+    """The largest of `_running_mean_errors_by_leaf` over the leaves w and s."""
+    errors = _running_mean_errors_by_leaf(tx, steps, {n: grads[n] for n in "ws"})
+    return np.max(list(errors.values()), axis=0)
 
 
 @pytest.mark.parametrize(
@@ -197,6 +204,114 @@ def test_error_feedback_loses_nothing_over_time(codec):
     early, late = _running_mean_errors(tx, (64, 256), _grads(2))
     assert late < early / 3, (early, late)
     assert late < 0.1
+
+
+STEADY_KINDS = ("constant", "signs", "gaussian")
+
+
+def _steady_inputs():
+    """Each device's inputs, the same at every step, of three kinds (a
+    matrix and a scanned stack of layers of each, every leaf coded): a
+    constant, one magnitude with random signs, Gaussian."""
+    rng = np.random.default_rng(11)
+    inputs = {}
+    for name, shape in (("w", SHAPES["w"]), ("s", SHAPES["s"])):
+        signs = rng.choice([-1.0, 1.0], (N, *shape))
+        inputs[f"constant-{name}"] = np.full((N, *shape), 0.3, np.float32)
+        inputs[f"signs-{name}"] = (0.3 * signs).astype(np.float32)
+        inputs[f"gaussian-{name}"] = rng.standard_normal((N, *shape)).astype(np.float32)
+    return inputs
+
+
+def _steady_errors(codec):
+    """Per kind of `_steady_inputs`, the largest running-mean error over
+    its leaves at T = 50 and T = 800."""
+    tx = ga.compressed_average_across_devices("i", codec, seed=1)
+    errors = _running_mean_errors_by_leaf(tx, (50, 800), _steady_inputs())
+    return {
+        kind: np.max([errors[f"{kind}-{name}"] for name in "ws"], axis=0)
+        for kind in STEADY_KINDS
+    }
+
+
+# 800 steps on 8 emulated devices: 30 to 100 s each for all but the first
+# two, which run in `slow` (`.ci/run`).
+_SLOW = pytest.mark.slow
+STEADY_CODECS = [
+    pytest.param(codecs.ternary(), id="ternary"),
+    pytest.param(codecs.powersgd(2), id="powersgd"),
+    pytest.param(codecs.quantized(), id="int8", marks=_SLOW),
+    pytest.param(codecs.quantized(bits=4), id="e2m1", marks=_SLOW),
+    pytest.param(codecs.topk(0.03, bits=4), id="topk-3%-4-bit", marks=_SLOW),
+    pytest.param(
+        codecs.topk(0.03, bits=4, collective="reduce_scatter"),
+        id="topk-3%-4-bit-reduce-scatter",
+        marks=_SLOW,
+    ),
+    pytest.param(
+        codecs.topk(0.5, bits=1, min_size=32), id="topk-1-bit-map", marks=_SLOW
+    ),
+    pytest.param(
+        codecs.topk(0.5, bits=1, collective="reduce_scatter", min_size=32),
+        id="topk-1-bit-map-reduce-scatter",
+        marks=_SLOW,
+    ),
+]
+
+
+@pytest.mark.parametrize("codec", STEADY_CODECS)
+def test_error_feedback_sends_every_steady_input(codec):
+    """Fed the same input every step, the running mean of the means
+    converges like 1/T: its error at T = 800 is at most a tenth of its error
+    at T = 50, or already at float32's resolution. A leaf whose elements
+    share one magnitude was never sent by nearest ternary codes scaled to
+    their clipping bound (2.5x that magnitude): error 1.0 at every T."""
+    for kind, (early, late) in _steady_errors(codec).items():
+        assert late <= max(0.1 * early, 1e-6), (kind, early, late)
+
+
+@pytest.mark.slow
+def test_ternary_stochastic_rounding_converges_at_its_noise_rate():
+    """Without its rounding noise fed back, TernGrad's codes converge like
+    1/sqrt(T): at most 0.35x from T = 50 to 800 (1/sqrt(16) = 0.25)."""
+    errors = _steady_errors(codecs.ternary(rounding="stochastic"))
+    for kind, (early, late) in errors.items():
+        assert late <= 0.35 * early, (kind, early, late)
+
+
+OVERFLOWING_CODECS = {
+    "ternary": codecs.ternary(),
+    "ternary-stochastic": codecs.ternary(rounding="stochastic"),
+    "topk-1-bit-map": codecs.topk(0.5, bits=1),
+    "topk-1-bit-map-reduce-scatter": codecs.topk(
+        0.5, bits=1, collective="reduce_scatter"
+    ),
+    "topk-1-bit-entries": codecs.topk(0.01, bits=1),
+    "e2m1": codecs.quantized(bits=4),
+    "topk": codecs.topk(0.01),
+    "powersgd": codecs.powersgd(2),
+}
+
+
+@pytest.mark.parametrize(
+    "codec", OVERFLOWING_CODECS.values(), ids=OVERFLOWING_CODECS.keys()
+)
+def test_a_large_finite_gradient_gives_a_finite_mean(codec):
+    """One element of 2e20 on one device (its square overflows float32; the
+    mean, 2.5e19, does not): every mean and residual stays finite, and that
+    element's mean is the float32 one."""
+    grads = _grads(12, {"w": SHAPES["w"], "s": SHAPES["s"]})
+    grads["w"][3, 5, 7] = 2e20
+    grads["s"][2, 1, 3, 4] = 2e20
+    tx = ga.compressed_average_across_devices("i", codec)
+    means, state = jax.pmap(tx.update, axis_name="i")(
+        grads, _replicate(tx.init(_params({"w": SHAPES["w"], "s": SHAPES["s"]})))
+    )
+    for leaf in jax.tree.leaves((means, state.residual)):
+        assert np.all(np.isfinite(np.asarray(leaf)))
+    for name, at in (("w", (5, 7)), ("s", (1, 3, 4))):
+        exact = np.asarray(grads[name], np.float64).mean(0)[at]
+        assert np.asarray(means[name])[(0, *at)] == pytest.approx(exact, rel=0.2)
 
 
 def test_ternary_stochastic_rounding_without_rounding_feedback_does_not():
@@ -1446,3 +1561,71 @@ def test_diloco_sends_its_outer_gradients_through_a_codec():
     error = np.abs(np.asarray(coded["w"]) - np.asarray(exact["w"])).max()
     moved = np.abs(np.asarray(exact["w"]) - params["w"]).max()
     assert 0 < error < moved / 2
+
+
+# --- inside jax.shard_map with check_vma ------------------------------------
+
+SHARD_MAP_CODECS = {
+    "ternary": codecs.ternary(),
+    "ternary-stochastic": codecs.ternary(rounding="stochastic"),
+    "int8": codecs.quantized(bits=8),
+    "e2m1": codecs.quantized(bits=4),
+    "topk": codecs.topk(0.01),
+    "topk-reduce-scatter": codecs.topk(0.01, collective="reduce_scatter"),
+    "topk-2-bit-map": codecs.topk(0.5, bits=2),
+    "topk-1-bit-map-reduce-scatter": codecs.topk(
+        0.5, bits=1, collective="reduce_scatter"
+    ),
+    "powersgd": codecs.powersgd(2),
+}
+# Where the top-k searches run in loops over chunks, the other mesh forms.
+_SEARCHED = ("topk", "topk-2-bit-map", "topk-1-bit-map-reduce-scatter")
+SHARD_MAP_MESHES = {
+    "1d-explicit": ((N,), ("data",), AxisType.Explicit, "data"),
+    "1d-auto": ((N,), ("data",), AxisType.Auto, "data"),
+    "tuple-axes": ((2, 4), ("a", "b"), AxisType.Explicit, ("a", "b")),
+}
+SHARD_MAP_CASES = [
+    pytest.param(codec, layout, SHAPES, id=f"{name}-{layout}")
+    for name, codec in SHARD_MAP_CODECS.items()
+    for layout in SHARD_MAP_MESHES
+    if layout == "1d-explicit" or name in _SEARCHED
+] + [
+    # A leaf of more than 256 chunks of 4096: the searches run in batches.
+    pytest.param(
+        codecs.topk(0.01, collective=collective),
+        "1d-explicit",
+        {"e": (1024, 1025)},
+        id=f"topk-{collective}-257-chunks",
+    )
+    for collective in ("all_gather", "reduce_scatter")
+]
+
+
+@pytest.mark.parametrize(("codec", "layout", "shapes"), SHARD_MAP_CASES)
+def test_every_codec_runs_inside_a_checked_shard_map(codec, layout, shapes):
+    """Inside ``jax.jit(jax.shard_map(...))`` with JAX's default
+    ``check_vma=True`` (every loop's carry typed as it varies over the
+    devices), each codec's mean is the one it computes under ``pmap`` from
+    the same seed: the same codes, the same floats."""
+    mesh_shape, names, axis_type, axis = SHARD_MAP_MESHES[layout]
+    mesh = _mesh(mesh_shape, names, axis_type)
+    tx = ga.compressed_average_across_devices(axis, codec, seed=3)
+    grads = _grads(6, shapes)
+
+    def mean(grads):
+        grads = jax.tree.map(lambda g: g[0], grads)
+        means, state = tx.update(grads, tx.init(grads))
+        return jax.tree.map(lambda m: m[None], (means, state.residual))
+
+    step = jax.jit(jax.shard_map(mean, in_specs=P(names), out_specs=P(names)))
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(grads, P(names))
+        means, residual = step(placed)
+    reference = ga.compressed_average_across_devices("i", codec, seed=3)
+    expected, expected_state = jax.pmap(reference.update, axis_name="i")(
+        grads, _replicate(reference.init(_params(shapes)))
+    )
+    chex.assert_trees_all_close(means, expected, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(residual, expected_state.residual, rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(jax.tree.leaves(means)[0])).max() > 0

@@ -463,3 +463,70 @@ def test_a_codec_of_your_own_reduces_a_window_on_meshes(layout):
         np.asarray(updates["w"]) - unsent, exact["w"], rtol=1e-5, atol=1e-6
     )
     assert not np.allclose(updates["w"], exact["w"], atol=1e-3)
+
+
+BROKEN_SUMS = {
+    # One sum too few: a bare IndexError deep in the mean before.
+    "too-few": (
+        lambda result: result._replace(sums=result.sums[:-1]),
+        r"scaled_sign\(min_size=256\): its sum returned 1 `sums` for 2 inputs",
+    ),
+    # A flattened sum: returned silently as the mean's leaf before.
+    "flattened": (
+        lambda result: result._replace(sums=[s.reshape(-1) for s in result.sums]),
+        r"CodecSum.sums\[0\] has shape \(\d+,\), but input 0 \(updates leaf "
+        r"\[0\] in flattened order, shape \(32, \d+\) on this device\) needs "
+        r"shape \(32, \d+\)",
+    ),
+    "sent-flattened": (
+        lambda result: result._replace(sent=[s.reshape(-1) for s in result.sent]),
+        r"CodecSum.sent\[0\] has shape \(\d+,\)",
+    ),
+    "finite-per-element": (
+        lambda result: result._replace(finite=[jnp.isfinite(s) for s in result.sums]),
+        r"CodecSum.finite\[0\] has shape \(32, \d+\).* needs a bool scalar",
+    ),
+    "a-tuple": (
+        lambda result: tuple(result),
+        r"its sum returned a tuple, not a gradaccum_jax.extend.CodecSum",
+    ),
+}
+
+
+@pytest.mark.parametrize(("breaks", "message"), BROKEN_SUMS.values(), ids=BROKEN_SUMS)
+@pytest.mark.parametrize("mapped", ["pmap", "shard_map-split"])
+def test_a_codec_whose_sum_breaks_the_contract_is_refused(breaks, message, mapped):
+    """A codec of your own whose sum returns the wrong number of sums, or
+    sums not shaped as its inputs, is refused with a message naming it,
+    where its sum runs whole (pmap) and on split blocks (a shard_map over
+    `data` on a `data` x `model` mesh, the leaf split over `model`)."""
+    codec = scaled_sign_codec()
+    broken = codec._replace(
+        sum=lambda *args: breaks(codec.sum(*args)),
+    )
+    grads = {
+        "w": np.ones((8, 64, 128), np.float32),
+        "v": np.ones((8, 32, 128), np.float32),
+    }
+    tx = ga.compressed_average_across_devices("data", broken)
+
+    def mean(grads):
+        grads = jax.tree.map(lambda g: g[0], grads)
+        return tx.update(grads, tx.init(grads))[0]
+
+    with pytest.raises(ValueError, match=message):
+        if mapped == "pmap":
+            jax.pmap(mean, axis_name="data")(jax.tree.map(lambda g: g[:, None], grads))
+        else:
+            mesh = jax.make_mesh(
+                (4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2
+            )
+            with jax.set_mesh(mesh):
+                placed = jax.device_put(
+                    jax.tree.map(lambda g: g[:4], grads), P("data", None, "model")
+                )
+                jax.jit(
+                    jax.shard_map(
+                        mean, in_specs=P("data"), out_specs=P(), axis_names={"data"}
+                    )
+                )(placed)

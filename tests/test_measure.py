@@ -29,13 +29,13 @@ def mesh():
 
 
 def _compile(mesh, per_device_fn):
-    """``per_device_fn`` under shard_map over both axes, compiled for 8 devices."""
+    """``per_device_fn`` under shard_map over both axes, compiled for 8
+    devices (its scalar result, one per device)."""
     mapped = jax.shard_map(
-        per_device_fn,
+        lambda x: per_device_fn(x)[None],
         mesh=mesh,
         in_specs=P("data", "model"),
-        out_specs=P(),
-        check_vma=False,
+        out_specs=P(("data", "model")),
     )
     operand = jax.ShapeDtypeStruct(
         (ROWS, COLS), jnp.float32, sharding=NamedSharding(mesh, P("data", "model"))
@@ -101,9 +101,11 @@ def test_place_entry_loop_and_branch(mesh):
             ),
             (jnp.float32(0), x),
         )[1]
+        both = ("data", "model")
         branched = jax.lax.cond(
             x[0, 0] > 0,
-            lambda v: jax.lax.psum(v * 2, ("data", "model")),
+            # Both branches typed as varying, as the cond's type check asks.
+            lambda v: jax.lax.pcast(jax.lax.psum(v * 2, both), both, to="varying"),
             lambda v: v,
             x,
         )

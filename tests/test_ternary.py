@@ -453,12 +453,14 @@ def test_weighted_statistics_come_from_the_unweighted_gradient():
         for bad in (np.nan, np.inf):
             finite = _quantize.scale_and_bound(x.at[7].set(bad), weight=2.0, **kwargs)
             assert not bool(finite[2])
-    # Finite, but the sum of squares overflows float32: no bound to draw
-    # codes against in one pass (non-finite); tight, it is merely not clipped.
+    # Finite, but the sum of squares overflows float32: the largest
+    # magnitude is read then, and the leaf is merely not clipped, tight or
+    # not (an infinite element stays non-finite, above).
     huge = jnp.full((1000,), 1e19, jnp.float32)
-    assert not bool(_quantize.scale_and_bound(huge, 2.5)[2])
-    scale, _, finite = _quantize.scale_and_bound(huge, 2.5, tight=True)
-    assert float(scale) == float(np.float32(1e19)) and bool(finite)
+    for tight in (False, True):
+        scale, bound, finite = _quantize.scale_and_bound(huge, 2.5, tight=tight)
+        assert float(scale) == float(np.float32(1e19)) and bool(finite)
+        assert float(bound) == np.inf
     assert bool(_quantize.scale_and_bound(huge, None)[2])
 
 

@@ -38,7 +38,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _placement
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, checked_sum
 from gradaccum_jax._ternary import _blocks
 
 # Per leaf of the next reduction's updates, how it is split over Auto mesh
@@ -174,7 +174,8 @@ def sum_on_auto_blocks(
     blocks_wire = wire._replace(splits=list(splits))
 
     def block_sum(blocks, state, key, device):
-        return codec.sum(list(blocks), state, key, blocks_wire._replace(device=device))
+        device_wire = blocks_wire._replace(device=device)
+        return checked_sum(codec, list(blocks), state, key, device_wire)
 
     fn = block_sum
     # The outermost map takes the first axis of `order`, each leaf's leading

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradaccum_jax import _placement
+from gradaccum_jax import _placement, _tree
 from gradaccum_jax._codecs import _packing
 
 # Elements per chunk (SparseLoCo's); 12 index bits.
@@ -206,8 +206,11 @@ def _kth_magnitudes(rows: jax.Array, k: int) -> jax.Array:
     # count(>= low) >= k always (every pattern is >= 0); count(>= high) < k
     # where the row is finite (high is +inf's pattern plus one, the first
     # NaN's: a row holding NaNs gets an infinite scale whatever is found).
-    low = jnp.zeros((chunks, 1), jnp.int32)
-    high = jnp.full((chunks, 1), 0x7F800001, jnp.int32)
+    # Inside a shard_map the bounds must vary as the rows do: the loop's
+    # carry keeps its type.
+    varying = _tree.varying_axes(patterns)
+    low = _tree.vary_over(jnp.zeros((chunks, 1), jnp.int32), varying)
+    high = _tree.vary_over(jnp.full((chunks, 1), 0x7F800001, jnp.int32), varying)
 
     def halve(_, bounds):
         low, high = bounds
@@ -223,6 +226,20 @@ def _scale(magnitudes: jax.Array, bits: int) -> jax.Array:
     """Each chunk's scale from its sent magnitudes (0 where not sent)."""
     if bits != 1:
         return jnp.max(magnitudes, axis=1)
+    level = _orthogonal_level(magnitudes)
+    # The squares of a finite chunk may overflow float32 (an entry above
+    # ~1.8e19): that chunk's level is taken again on its magnitudes over
+    # their largest (finite where every entry is; inf marks a NaN or an
+    # infinity, see `encode`).
+    largest = jnp.max(magnitudes, axis=1, keepdims=True)
+    safe = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)
+    rescaled = _orthogonal_level(magnitudes / safe) * safe[:, 0]
+    return jnp.where(jnp.isfinite(level), level, rescaled)
+
+
+def _orthogonal_level(magnitudes: jax.Array) -> jax.Array:
+    """``sum(v**2) / sum(|v|)`` of each chunk's sent magnitudes (0 where
+    none is sent)."""
     norm_1 = jnp.sum(magnitudes, axis=1)
     safe = jnp.where(norm_1 > 0, norm_1, 1.0)
     return jnp.sum(jnp.square(magnitudes), axis=1) / safe
@@ -321,6 +338,7 @@ def _by_batches(find: Any, rows: jax.Array, out: jax.ShapeDtypeStruct) -> jax.Ar
 
     batches = -(-chunks // TOP_K_ROWS)
     found = jnp.zeros((chunks, *out.shape), out.dtype)
+    found = _tree.vary_over(found, _tree.varying_axes(rows))  # a loop carry
     return jax.lax.fori_loop(0, batches, batch, found)
 
 
@@ -388,7 +406,8 @@ def add_payloads(
                 values = jnp.where(include[d], values, 0.0)
             return total + values
 
-        return jax.lax.fori_loop(0, n, add, total)
+        varying = _tree.varying_axes(payloads) | _tree.varying_axes(scales)
+        return jax.lax.fori_loop(0, n, add, _tree.vary_over(total, varying))
     index, values = decode_entries(payloads, scales, chunk, bits)
     if include is not None:
         values = jnp.where(include[:, None, None], values, 0.0)

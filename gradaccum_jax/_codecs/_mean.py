@@ -25,6 +25,7 @@ from gradaccum_jax._codecs._protocol import (
     CodecState,
     CodecSum,
     Wire,
+    checked_sum,
     psum_list,
 )
 from gradaccum_jax._ternary import _blocks, _random
@@ -58,6 +59,16 @@ class Reduce(NamedTuple):
         return self.error_feedback and self.codec.keeps_residual
 
 
+def compresses(codec: Codec, shape: tuple[int, ...]) -> bool:
+    """Whether ``codec`` codes a leaf of ``shape``: as it says, but never a
+    leaf of one element. A scalar saves nothing coded, and the scalars
+    reduced with the updates say what the others mean: a window's weight
+    (whether it steps, what divides its sum), ``diloco``'s presence
+    weight (whether the anchor moves). Coded, a ternary code of one
+    magnitude could send 0 for them."""
+    return int(np.prod(shape, dtype=np.int64)) > 1 and bool(codec.compresses(shape))
+
+
 def coded(codec: Codec, leaf: Any, split: _blocks.Split = _blocks.WHOLE) -> bool:
     """Whether ``codec`` compresses ``leaf`` (static: from its shape), or
     the leaf of which ``leaf`` is the block split as ``split``: ``init``
@@ -66,7 +77,7 @@ def coded(codec: Codec, leaf: Any, split: _blocks.Split = _blocks.WHOLE) -> bool
     shape = tuple(np.shape(leaf))
     if _blocks.axes_of(split):
         shape = _blocks.whole_shape(shape, split)
-    return bool(codec.compresses(shape))
+    return compresses(codec, shape)
 
 
 def keeps_a_residual(state: Any) -> bool:
@@ -139,7 +150,7 @@ def check_codec_state(
     coded_shapes = [
         jax.ShapeDtypeStruct(shape, jnp.float32)
         for shape in shapes
-        if config.codec.compresses(shape)
+        if compresses(config.codec, shape)
     ]
     expected = jax.eval_shape(
         lambda: config.codec.init(coded_shapes, _random.seed_state(0))
@@ -260,11 +271,15 @@ def _sum_on_blocks(
             return _auto_blocks.sum_on_auto_blocks(
                 codec, inputs, state, key, wire, auto_splits
             )
-        return codec.sum(inputs, state, key, wire)
+        return checked_sum(codec, inputs, state, key, wire)
     blocks_wire = wire._replace(splits=[tuple(spec) for spec in specs])
+    # Unchecked: the sums and flags a codec returns are the same on every
+    # device of the split axes, but many come from ``all_gather``, whose
+    # result JAX types as varying (it has no invariant gather a codec could
+    # use on every release), so a checked map would refuse the P() outputs.
     return jax.shard_map(
-        lambda inputs, state, key, device: codec.sum(
-            inputs, state, key, blocks_wire._replace(device=device)
+        lambda inputs, state, key, device: checked_sum(
+            codec, inputs, state, key, blocks_wire._replace(device=device)
         ),
         in_specs=(specs, P(), P(), P()),
         out_specs=CodecSum._make([specs, specs, P(), P(), P()]),

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gradaccum_jax._ternary import _blocks, _random
@@ -109,6 +110,41 @@ class Codec(NamedTuple):
 
     def __repr__(self) -> str:
         return self.name
+
+
+def checked_sum(
+    codec: Codec, inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire
+) -> CodecSum:
+    """``codec.sum(inputs, state, key, wire)``, refused with a ValueError
+    naming the codec where it breaks the contract of `CodecSum`: a sum and
+    a sent value per input, each shaped as its input, one bool scalar per
+    input in ``finite``. (A user's codec that returned too few sums met a
+    bare IndexError; a flattened sum came back silently as the mean.)"""
+    result = codec.sum(inputs, state, key, wire)
+    if not isinstance(result, CodecSum):
+        raise ValueError(
+            f"The codec {codec.name}: its sum returned a "
+            f"{type(result).__name__}, not a gradaccum_jax.extend.CodecSum."
+        )
+    for field in ("sums", "sent", "finite"):
+        values = list(getattr(result, field))
+        if len(values) != len(inputs):
+            raise ValueError(
+                f"The codec {codec.name}: its sum returned {len(values)} "
+                f"`{field}` for {len(inputs)} inputs; CodecSum.{field} holds "
+                "one per input, in the inputs' order."
+            )
+        for j, (value, x) in enumerate(zip(values, inputs, strict=True)):
+            expected = () if field == "finite" else np.shape(x)
+            if np.shape(value) != expected:
+                raise ValueError(
+                    f"The codec {codec.name}: CodecSum.{field}[{j}] has shape "
+                    f"{np.shape(value)}, but input {j} (updates leaf "
+                    f"[{wire.leaves[j]}] in flattened order, shape {np.shape(x)} "
+                    "on this device) needs "
+                    + ("a bool scalar." if field == "finite" else f"shape {expected}.")
+                )
+    return result
 
 
 def at_least(min_size: int) -> Callable[[tuple[int, ...]], bool]:

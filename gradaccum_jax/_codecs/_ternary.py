@@ -87,7 +87,11 @@ def ternary_codec(
         stochastic = rounding == "stochastic" or (
             rounding is None and not wire.error_feedback
         )
-        scales, bounds = _common_scales(inputs, clip_sigma, wire)
+        # Nearest codes fire where 2|x| >= scale: against the clipping bound
+        # alone a leaf whose elements share one magnitude (the bound 2.5x
+        # it) would never be sent, whatever error feedback adds to it.
+        tight = not stochastic
+        scales, bounds = _common_scales(inputs, clip_sigma, wire, tight)
         codes = []
         for j, x in enumerate(inputs):
             if stochastic:
@@ -125,15 +129,16 @@ def ternary_codec(
 
 
 def _common_scales(
-    inputs: list[jax.Array], clip_sigma: float | None, wire: Wire
+    inputs: list[jax.Array], clip_sigma: float | None, wire: Wire, tight: bool
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """The scale every device codes each input against (the pmax of the
-    devices' clipping bounds, +inf where any input is not finite, in one
+    devices' scales, +inf where any input is not finite, in one
     all-reduce), and this device's clipping bounds; per layer of a scanned
-    leaf, shaped to broadcast against it."""
+    leaf, shaped to broadcast against it. A device's scale is its clipping
+    bound, or with ``tight`` the smaller of it and its largest magnitude."""
     bounds, local_scales = [], []
     for x, split in zip(inputs, wire.splits, strict=True):
-        scale, bound, finite = _scale_and_bound(x, clip_sigma, split)
+        scale, bound, finite = _scale_and_bound(x, clip_sigma, split, tight)
         bounds.append(bound)
         # A non-finite input is marked +inf, not NaN: max is guaranteed to
         # propagate inf to every device.
@@ -152,7 +157,7 @@ def _common_scales(
 
 
 def _scale_and_bound(
-    x: jax.Array, clip_sigma: float | None, split: _blocks.Split
+    x: jax.Array, clip_sigma: float | None, split: _blocks.Split, tight: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`scale_and_bound` of ``x``, per layer of a scanned leaf.
 
@@ -163,19 +168,34 @@ def _scale_and_bound(
     scalar for a leaf of rank 2 or less.
     """
     if x.ndim < 3:
-        return scale_and_bound(x, clip_sigma, split=split)
+        return scale_and_bound(x, clip_sigma, split=split, tight=tight)
     within = tuple(range(1, x.ndim))
     # Reduced within each layer: over the blocks of the other dimensions.
     others = (None, *split[1:]) if split else split
     sum_sq = _blocks.total(jnp.sum(jnp.square(x), axis=within), others)
     per_layer = _blocks.size(int(np.prod(x.shape[1:], dtype=np.int64)), others)
-    if clip_sigma is None:
-        bound = jnp.full_like(sum_sq, jnp.inf)
-        scale = _blocks.maximum(jnp.max(jnp.abs(x), axis=within, initial=0.0), others)
-        finite = ~jnp.isnan(sum_sq) & jnp.isfinite(scale)
-    else:
-        bound = clip_sigma * jnp.sqrt(sum_sq / max(per_layer, 1))
-        scale, finite = bound, jnp.isfinite(bound)
+    bound = (
+        jnp.full_like(sum_sq, jnp.inf)
+        if clip_sigma is None
+        else clip_sigma * jnp.sqrt(sum_sq / max(per_layer, 1))
+    )
+
+    def tight_scale(_: Any) -> tuple[jax.Array, jax.Array]:
+        largest = jnp.max(jnp.abs(x), axis=within, initial=0.0)
+        max_abs = _blocks.maximum(largest, others)
+        # A finite layer whose sum of squares overflows is left unclipped.
+        finite = ~jnp.isnan(sum_sq) & jnp.isfinite(max_abs)
+        return jnp.minimum(max_abs, bound), finite
+
+    if clip_sigma is None or tight:
+        scale, finite = tight_scale(None)
+    else:  # max|x| is read only where a layer's sum of squares is +inf
+        scale, finite = jax.lax.cond(
+            jnp.any(jnp.isinf(sum_sq)),
+            tight_scale,
+            lambda _: (bound, jnp.isfinite(bound)),
+            None,
+        )
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)
     return scale.reshape(shape), bound.reshape(shape), jnp.all(finite)
 

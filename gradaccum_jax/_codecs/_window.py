@@ -29,16 +29,6 @@ from gradaccum_jax._ternary._leaves import NoResidual, keeps_no_array, real_leav
 _CALLER = "compressed_window_reduction"
 
 
-def window_codec(codec: Codec) -> Codec:
-    """``codec`` that never codes a leaf of one element: the window's weight
-    decides whether the window steps and divides its sum, and stays exact."""
-    return codec._replace(
-        compresses=lambda shape: (
-            int(np.prod(shape, dtype=np.int64)) > 1 and codec.compresses(shape)
-        )
-    )
-
-
 def compressed_window_reduction(
     codec: Codec, *, seed: int = 0, error_feedback: bool = True
 ) -> _reduction.WindowReduction:
@@ -98,7 +88,7 @@ def compressed_window_reduction(
       A `gradaccum_jax.extend.WindowReduction` whose state is a
       `gradaccum_jax.extend.CodecState` (residuals stacked per device).
     """
-    codec = window_codec(codec_argument(codec))
+    codec = codec_argument(codec)
     seed = _checks.prng_seed("seed", seed)
     error_feedback = _checks.boolean("error_feedback", error_feedback)
 
@@ -287,8 +277,10 @@ def reduce_terms(
         new_codec = jax.tree.map(lambda leaf: leaf[None], new.codec)
         return sums, new.key, sq_excess, new_arrays, new_codec
 
-    # Unchecked, as the layouts' own maps over terms: the results are
-    # collectives' (the same on every device) or each device's own.
+    # Unchecked, as the layouts' own maps over terms: the terms are
+    # unreduced (JAX has no cast from unreduced to varying), and the sums
+    # come partly from ``all_gather``, typed varying though the same on
+    # every device.
     sums, key, sq_excess, arrays, codec_state = jax.shard_map(
         local,
         in_specs=(term_specs, P(), array_specs, state_spec),
@@ -334,7 +326,7 @@ def _residual_slots(
     for i, leaf in enumerate(leaves):
         shape = tuple(np.shape(leaf))[1:] if stacked else tuple(np.shape(leaf))
         if i >= len(residuals):
-            if config.keeps_residual and config.codec.compresses(shape):
+            if config.keeps_residual and _mean.compresses(config.codec, shape):
                 raise ValueError(
                     f"{_CALLER}: the window's extra term {i - len(residuals)} "
                     f"(shape {shape}) would be compressed by {config.codec.name}, "

@@ -205,6 +205,8 @@ def _first_worker(leaf: jax.Array) -> jax.Array:
     partitions = _tree.partitions(leaf)
     if not partitions or partitions[0] is None:
         return leaf[0]
+    # Unchecked: the rows are equal, which JAX's types cannot know (a checked
+    # map refuses a varying row as an output unsplit over the workers).
     return jax.shard_map(
         first_row,
         mesh=jax.typeof(leaf).sharding.mesh,

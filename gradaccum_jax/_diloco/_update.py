@@ -88,6 +88,8 @@ def _mapped(worker_fn, axis_name, grads, state, params, weight):
     # The workers are at the same step of the cycle: shared (not mapped),
     # the syncs' loops test one scalar, as under pmap. Each device reads
     # its own row (a slice of row 0 would broadcast it on Auto axes).
+    # Unchecked: the rows are equal, which JAX's types cannot know, so a
+    # checked map would refuse a row typed varying as the P() output.
     step = jax.shard_map(
         first_row,
         in_specs=P(axis_name),
