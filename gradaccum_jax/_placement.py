@@ -235,6 +235,37 @@ def is_concrete(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
 
+def as_jit_returns(tree: Any) -> Any:
+    """``tree``'s placed arrays with their shardings written as a jitted
+    step returns them (traced leaves and others as they are).
+
+    ``jax.jit`` keys its compiled programs on its arguments' shardings as
+    written, and the same placement can be written several ways:
+    ``P()``, ``P(None)``, ``P("data", None)``, ``P("data")``. An array
+    that comes out of a step is written the JAX way (on Explicit axes its
+    type's spec, one entry a dimension; on Auto axes the compiler's, its
+    trailing Nones dropped), and a state ``init`` wrote another way would
+    make the second call compile the whole step again. No data moves.
+    """
+
+    def rewritten(leaf: Any) -> Any:
+        sharding = getattr(leaf, "sharding", None)
+        if not is_concrete(leaf) or not isinstance(sharding, jax.NamedSharding):
+            return leaf
+        if axes_typed(AxisType.Explicit, mesh=sharding.mesh):
+            spec = jax.typeof(leaf).sharding.spec
+        else:
+            parts = list(sharding.spec)
+            while parts and parts[-1] is None:
+                parts.pop()
+            spec = P(*parts, unreduced=sharding.spec.unreduced)
+        if spec == sharding.spec:
+            return leaf
+        return jax.device_put(leaf, jax.NamedSharding(sharding.mesh, spec))
+
+    return jax.tree.map(rewritten, tree)
+
+
 def on_mesh_of(leaf: Any) -> contextlib.AbstractContextManager[Any]:
     """The mesh of a concrete state leaf, set, when none is set already.
 
@@ -270,6 +301,9 @@ def on_each_device(fn: Any, *args: Any) -> Any:
     free = set(axes_typed(AxisType.Explicit, AxisType.Auto))
     if not free:
         return fn(*args)
+    # Unchecked: inside a ``vmap`` with ``spmd_axis_name`` the mapped axis's
+    # split is not in the specs' types, so JAX would type each device's own
+    # results (its workers' rows) as the same everywhere and refuse them.
     return jax.shard_map(
         fn, in_specs=P(), out_specs=P(), axis_names=free, check_vma=False
     )(*args)

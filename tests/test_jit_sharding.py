@@ -1276,3 +1276,60 @@ def test_a_state_made_with_another_window_reduction_is_refused(
         jax.jit(_weighted_step(window(used)))(
             params, state, *_place(_micro_batches([16], masked=True)[0])
         )
+
+
+WINDOW_REDUCTIONS = {
+    "float32": {},
+    "ternary": {"window_reduction": ga.ternary_window_reduction(0)},
+    "topk": {"window_reduction": ga.compressed_window_reduction(ga.codecs.topk(0.1))},
+    "e2m1": {
+        "window_reduction": ga.compressed_window_reduction(
+            ga.codecs.quantized(bits=4, min_size=16)
+        )
+    },
+    "powersgd": {
+        "window_reduction": ga.compressed_window_reduction(
+            ga.codecs.powersgd(2, min_size=16)
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("kwargs", WINDOW_REDUCTIONS.values(), ids=WINDOW_REDUCTIONS)
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_a_donated_step_compiles_once(axis_type, kwargs):
+    """The state ``init`` makes is placed as the step returns it: the second
+    and third calls of a donated jitted step reuse the first's program (the
+    codecs' random counter was written P() by init and P(None,) by the
+    step; on Auto axes the per-device window P("data", None, None) against
+    the compiler's P("data"))."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    opt = ga.MultiSteps(optax.adam(1e-2), 2, unreduced_axes="data", **kwargs)
+
+    def loss(params, x):
+        # No contraction over `model`, which Explicit axes would ask to
+        # place by hand.
+        hidden = jnp.mean(jnp.tanh(x @ params["w1"]) ** 2)
+        bias = jnp.mean((x[:, :4] + params["b"]) ** 2)
+        return hidden + bias + 1e-3 * jnp.sum(params["w2"] ** 2)
+
+    def step(params, state, x):
+        grads = ga.local_value_and_grad(loss, "data")(params, x)[1]
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        # Made by a jitted function, as a step makes them (jit's
+        # `out_shardings` would write b's P() as given, the step P(None)),
+        # w1 and w2 split over `model` (tensor parallel).
+        specs = {"w1": P(None, "model"), "w2": P("model"), "b": P()}
+        place = reshard if axis_type == AxisType.Explicit else None
+        place = place or jax.lax.with_sharding_constraint
+        params = jax.jit(lambda: jax.tree.map(place, _params(), specs))()
+        state = opt.init(params)
+        train_step = jax.jit(step, donate_argnums=(0, 1))
+        x = jax.device_put(jnp.ones((16, 16)), P("data"))
+        for _ in range(3):
+            params, state = jax.block_until_ready(train_step(params, state, x))
+    assert train_step._cache_size() == 1
+    assert int(state.gradient_step) == 1

@@ -95,9 +95,11 @@ REPORTED = AccumulationStats._fields[5:]
 
 
 def initial_state(config: Configuration, params: optax.Params) -> MultiStepsState:
-    """The state of an empty first window: each part's initial state."""
+    """The state of an empty first window: each part's initial state,
+    placed as a jitted step returns it (so that its second call does not
+    compile again)."""
     layout = config.layout()
-    return MultiStepsState(
+    state = MultiStepsState(
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=jnp.zeros([], jnp.int32),
         inner_opt_state=config.opt.init(params),
@@ -112,6 +114,7 @@ def initial_state(config: Configuration, params: optax.Params) -> MultiStepsStat
             name: stat.init(params, layout) for name, stat in config.statistics.items()
         },
     )
+    return _placement.as_jit_returns(state)
 
 
 def stats_of(config: Configuration, state: MultiStepsState) -> AccumulationStats:
