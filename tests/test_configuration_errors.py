@@ -265,6 +265,13 @@ TABLE: list[Row] = [
         (0, 1, -1, True, 2.5, "", "not a name", ("key",)),
         r"integer >= 2.*identifier",
     ),
+    Row(
+        "microbatched_value_and_grad",
+        "batch_argnums",
+        (0, -1, True, 1.5, "1", (), (1, 0), [1, 2]),
+        r"a position >= 1 \(the params are 0\)",
+    ),
+    Row("microbatched_value_and_grad", "batch_argnums", ((1, 2, 1),), r"twice"),
     Row("microbatched_value_and_grad", "data_axis", ("", 3, ("data",)), AXIS_NAME),
     Row("microbatched_value_and_grad", "gather_params_once", ("True", None), BOOL),
     Row("microbatched_value_and_grad", "unreduced_grads", ("True", None), BOOL),

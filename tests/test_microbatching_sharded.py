@@ -215,3 +215,83 @@ def test_a_float16_accumulator_of_heavy_micro_batches_does_not_overflow(layout, 
             grads[name], expected_grads[name], rtol=2e-3, atol=2e-4, err_msg=name
         )
     assert carry == {jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}
+
+
+def _loss_of_arguments(params, x, scale, y, key):
+    """A loss written ``(params, x, scale, y, key)``, as multi-slice pages
+    write theirs: the inputs and labels are separate arguments, with a
+    constant and a PRNG key among them."""
+    noise = 1e-3 * jax.random.normal(key, x.shape[:1])
+    return scale * jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2 + noise)
+
+
+@pytest.mark.parametrize("data_axis", [None, "dcn"])
+def test_batch_argnums_splits_each_batch_argument(data_axis):
+    """``batch_argnums=(1, 3)`` splits x and y into micro-batches, passes the
+    constant whole and gives micro-batch i the key folded with i: the loss
+    and gradients of the whole batch, on one device and over `dcn`."""
+    params = jax.tree.map(jnp.asarray, make_params())
+    batch = make_batch()
+    x, y = batch["x"], batch["y"][:, 0]
+    key = jax.random.key(4)
+    grad_fn = microbatched_value_and_grad(
+        lambda p, x, scale, y, key: _loss_of_arguments(
+            {"w": p["w"][:, 0], "b": p["b"][0]}, x, scale, y, key
+        ),
+        NUM_MICROBATCHES,
+        batch_argnums=(1, 3),
+        key_argnum=4,
+        data_axis=data_axis,
+    )
+    args = (x, jnp.float32(2.0), y, key)
+    if data_axis is None:
+        value, grads = jax.jit(grad_fn)(params, *args)
+    else:
+        mesh = jax.make_mesh((8,), ("dcn",), axis_types=(AxisType.Explicit,))
+        with jax.set_mesh(mesh):
+            placed = [jax.device_put(a, P("dcn")) for a in (x, y)]
+            value, grads = jax.jit(grad_fn)(
+                jax.device_put(params, P()), placed[0], args[1], placed[1], key
+            )
+
+    def whole(p):  # each micro-batch's noise from its own folded key
+        parts = [
+            _loss_of_arguments(
+                {"w": p["w"][:, 0], "b": p["b"][0]},
+                x[i::NUM_MICROBATCHES],
+                2.0,
+                y[i::NUM_MICROBATCHES],
+                jax.random.fold_in(key, i),
+            )
+            for i in range(NUM_MICROBATCHES)
+        ]
+        return sum(parts) / NUM_MICROBATCHES
+
+    expected_value, expected_grads = jax.value_and_grad(whole)(params)
+    if data_axis is None:  # the noise differs per device's fold otherwise
+        np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda g: g.astype(jnp.float32), grads),
+        jax.tree.map(lambda g: g.astype(jnp.float32), expected_grads),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_an_unsplit_argument_split_like_the_batch_is_refused():
+    """With ``data_axis``, an argument after the batch that ``batch_argnums``
+    does not name but whose leading axis is split over `data_axis` (the
+    labels of ``loss_fn(params, x, y)``) is refused, naming its position;
+    it died inside the loss with a broadcasting TypeError."""
+    mesh = jax.make_mesh((8,), ("dcn",), axis_types=(AxisType.Explicit,))
+    batch = make_batch()
+    grad_fn = microbatched_value_and_grad(
+        lambda p, x, y: jnp.mean((x @ p["w"] - y) ** 2),
+        NUM_MICROBATCHES,
+        data_axis="dcn",
+    )
+    with jax.set_mesh(mesh):
+        x, y = (jax.device_put(batch[k], P("dcn")) for k in ("x", "y"))
+        params = jax.device_put({"w": make_params()["w"]}, P())
+        with pytest.raises(ValueError, match=r"argument 2 has its leading axis split"):
+            jax.jit(grad_fn)(params, x, y)

@@ -9,8 +9,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from gradaccum_jax import _checks, _noise_scale
+from gradaccum_jax import _checks, _noise_scale, _tree
 from gradaccum_jax._microbatching._batch import checked_batch_size, strided_split
 from gradaccum_jax._microbatching._keys import KeySlot, key_slot
 from gradaccum_jax._microbatching._layout import DataLayout
@@ -31,6 +32,7 @@ def microbatched_value_and_grad(
     weight_fn: Callable[[Any], jax.Array] | None = None,
     accumulator_dtype: Any = jnp.float32,
     key_argnum: int | str | None = None,
+    batch_argnums: int | tuple[int, ...] = 1,
     data_axis: str | None = None,
     gather_params_once: bool = True,
     unreduced_grads: bool = False,
@@ -40,7 +42,9 @@ def microbatched_value_and_grad(
 
     The returned function has the signature and outputs of
     ``jax.value_and_grad(loss_fn, has_aux=has_aux)``. It splits the batch
-    (argument 1) into ``num_microbatches`` strided micro-batches, runs the
+    (argument 1, or the arguments ``batch_argnums`` names, such as the
+    inputs and the labels of ``loss_fn(params, x, y)``) into
+    ``num_microbatches`` strided micro-batches, runs the
     forward and backward pass on one at a time in a ``jax.lax.scan`` (the
     activation memory of one micro-batch) and returns the means of the loss,
     gradients and aux weighted by ``weight_fn``: the big-batch ones when
@@ -77,6 +81,10 @@ def microbatched_value_and_grad(
         summed in float32.
       key_argnum: None, or the position (>= 2) or keyword name of the PRNG
         key argument; micro-batch i gets ``jax.random.fold_in(key, i)``.
+      batch_argnums: the position (>= 1), or a tuple of them, of the
+        arguments split into micro-batches, each a pytree with a leading
+        batch axis (default 1); the arguments after them that it does not
+        name go whole to every micro-batch.
       data_axis: None, or the mesh axis the batch is sharded over: each
         device scans its own examples and the gradient is reduced once.
       gather_params_once: with ``data_axis``, gather parameters sharded over
@@ -93,14 +101,46 @@ def microbatched_value_and_grad(
     """
     # Nothing but the arguments is bound yet: ``locals()`` is them, by name.
     options = _checked_options(**locals())
-    value_and_grad_fn = jax.value_and_grad(loss_fn, has_aux=options.has_aux)
+    batch_positions = options.batch_argnums
+    if batch_positions == (1,):
+        value_and_grad_fn = jax.value_and_grad(loss_fn, has_aux=options.has_aux)
+        step = _MicrobatchedStep(value_and_grad_fn, options)
+
+        @functools.wraps(loss_fn)
+        def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+            return step(params, batch, args, kwargs)
+
+        return microbatched
+
+    # Several batch arguments: the scan sees them as one tuple, argument 1.
+    def on_batch_tuple(params: Any, batch: tuple, *rest: Any, **kwargs: Any) -> Any:
+        return loss_fn(params, *_merged(batch, rest, batch_positions), **kwargs)
+
+    value_and_grad_fn = jax.value_and_grad(on_batch_tuple, has_aux=options.has_aux)
     step = _MicrobatchedStep(value_and_grad_fn, options)
 
     @functools.wraps(loss_fn)
-    def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        return step(params, batch, args, kwargs)
+    def microbatched_arguments(params: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) < max(batch_positions):
+            raise ValueError(
+                f"microbatched_value_and_grad: `batch_argnums`={batch_positions} "
+                f"names argument {max(batch_positions)}, but the call passes "
+                f"{len(args) + 1} positional argument(s)."
+            )
+        batch = tuple(args[i - 1] for i in batch_positions)
+        rest = tuple(a for i, a in enumerate(args, 1) if i not in batch_positions)
+        return step(params, batch, rest, kwargs)
 
-    return microbatched
+    return microbatched_arguments
+
+
+def _merged(batch: tuple, rest: tuple, positions: tuple[int, ...]) -> list[Any]:
+    """The arguments after params in their order: ``batch``'s at
+    ``positions``, ``rest`` in the others."""
+    merged, batch_args, rest_args = [], iter(batch), iter(rest)
+    for i in range(1, len(batch) + len(rest) + 1):
+        merged.append(next(batch_args) if i in positions else next(rest_args))
+    return merged
 
 
 class _Options(NamedTuple):
@@ -111,6 +151,7 @@ class _Options(NamedTuple):
     weight_fn: Callable[[Any], Any] | None
     accumulator_dtype: jnp.dtype
     key: KeySlot
+    batch_argnums: tuple[int, ...]
     data_axis: str | None
     gather_params_once: bool
     unreduced_grads: bool
@@ -124,6 +165,7 @@ def _checked_options(
     weight_fn,
     accumulator_dtype,
     key_argnum,
+    batch_argnums,
     data_axis,
     gather_params_once,
     unreduced_grads,
@@ -141,7 +183,18 @@ def _checked_options(
             f"`weight_fn` must be None or a callable weight_fn(microbatch) -> "
             f"scalar, got {weight_fn!r}."
         )
+    batch_argnums = _batch_argnums(batch_argnums)
     key: KeySlot = key_slot(loss_fn, key_argnum)
+    if key.position in batch_argnums:
+        raise ValueError(
+            f"`key_argnum`={key_argnum} is one of `batch_argnums` "
+            f"{batch_argnums}: the PRNG key is not split into micro-batches."
+        )
+    if key.position is not None and batch_argnums != (1,):
+        # The scan calls the loss with the batch arguments as one tuple
+        # (argument 1), then the others: the key's position among those.
+        before = sum(1 for i in range(1, key.position) if i not in batch_argnums)
+        key = key._replace(position=2 + before)
     if data_axis is not None and not (isinstance(data_axis, str) and data_axis):
         raise ValueError(
             "`data_axis` must be None or a non-empty string naming the mesh "
@@ -166,11 +219,56 @@ def _checked_options(
         weight_fn,
         accumulator_dtype,
         key,
+        batch_argnums,
         data_axis,
         gather_params_once,
         unreduced_grads,
         return_noise_scale,
     )
+
+
+def _check_unsplit_extras(args: tuple, kwargs: dict, options: _Options) -> None:
+    """Refuses an argument passed whole to every micro-batch whose leading
+    axis is split over ``data_axis`` like a batch's (the labels of
+    ``loss_fn(params, x, y)``): each device would get all of it, and the
+    loss would meet a batch of another size than its micro-batch."""
+    # The positions, counting params as 0, of the arguments not split.
+    count = len(args) + len(options.batch_argnums)
+    positions = [i for i in range(1, count + 1) if i not in options.batch_argnums]
+    data_axis = options.data_axis
+    leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    for path, leaf in leaves:
+        parts = _tree.partitions(leaf)
+        if parts and data_axis in _tree.mesh_axes_in(parts[:1]):
+            inside = jax.tree_util.keystr(path[2:])
+            if path[0].idx == 0:
+                what = f"argument {positions[path[1].idx]}{inside}"
+            else:
+                what = f"keyword argument {path[1].key!r}{inside}"
+            raise ValueError(
+                f"microbatched_value_and_grad: {what} "
+                f"has its leading axis split over `data_axis` {data_axis!r}, "
+                "like a batch, but it is passed whole to every micro-batch. "
+                "Name it in `batch_argnums` (e.g. batch_argnums=(1, 2) for "
+                "loss_fn(params, x, y)) to split it with the batch."
+            )
+
+
+def _batch_argnums(value: Any) -> tuple[int, ...]:
+    """Validates ``batch_argnums``: a position >= 1 or a tuple of distinct
+    ones, returned sorted."""
+    positions = value if isinstance(value, tuple) else (value,)
+    if not positions or not all(
+        isinstance(p, (int, np.integer)) and not isinstance(p, bool) and p >= 1
+        for p in positions
+    ):
+        raise ValueError(
+            "`batch_argnums` must be a position >= 1 (the params are 0) or a "
+            f"non-empty tuple of them, got {value!r}."
+        )
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"`batch_argnums` names a position twice: {value!r}.")
+    return tuple(sorted(int(p) for p in positions))
 
 
 class _MicrobatchedStep:
@@ -197,6 +295,7 @@ class _MicrobatchedStep:
             options.unreduced_grads,
         )
         checked_batch_size(batch, options.num_microbatches, layout.size)
+        _check_unsplit_extras(args, kwargs, options)
         return over_data_axis(self._local_sums, layout, params, batch, args, kwargs)
 
     def _weight_of(self, microbatch: Any) -> jax.Array:
