@@ -11,6 +11,7 @@ import numpy as np
 from gradaccum_jax import _checks
 from gradaccum_jax._codecs import _packing
 from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least, no_state
+from gradaccum_jax._control import run_if
 from gradaccum_jax._ternary import _blocks, _random
 from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
 from gradaccum_jax._ternary._quantize import (
@@ -31,8 +32,9 @@ def ternary(
 ) -> Codec:
     """Ternary codes: each device sends {-1, 0, 1} per element, one scale per leaf.
 
-    The devices agree on one scale per leaf (a pmax of their clipping
-    bounds, ``clip_sigma`` root-mean-squares of their inputs; one per layer
+    The devices agree on one scale per leaf (a pmax of their scales, their
+    clipping bounds of ``clip_sigma`` root-mean-squares of their inputs,
+    see the roundings below; one per layer
     of a leaf of rank 3 or more, a scanned stack of layers along its
     leading axis), code their
     inputs against it, and the codes of all devices are summed by one
@@ -48,7 +50,10 @@ def ternary(
       running mean drifts away instead of converging).
     - ``"nearest"``: the code nearest to ``input / scale``, biased, and with
       error feedback its whole error is kept and sent later: the running
-      mean of the sums tends to the true one like 1/T.
+      mean of the sums tends to the true one like 1/T. Each device's scale
+      is the smaller of its clipping bound and its largest magnitude (one
+      more reduction of the leaf): against the bound alone, a leaf whose
+      elements share one magnitude (the bound 2.5x it) would never be sent.
 
     The default (None) is ``"nearest"`` with error feedback and
     ``"stochastic"`` without.
@@ -136,19 +141,31 @@ def _common_scales(
     all-reduce), and this device's clipping bounds; per layer of a scanned
     leaf, shaped to broadcast against it. A device's scale is its clipping
     bound, or with ``tight`` the smaller of it and its largest magnitude."""
-    bounds, local_scales = [], []
-    for x, split in zip(inputs, wire.splits, strict=True):
-        scale, bound, finite = _scale_and_bound(x, clip_sigma, split, tight)
-        bounds.append(bound)
-        # A non-finite input is marked +inf, not NaN: max is guaranteed to
-        # propagate inf to every device.
-        local_scales.append(jnp.where(finite, scale, jnp.inf))
-    if not local_scales:
-        return [], bounds
-    sizes = [int(np.size(scale)) for scale in local_scales]
-    flat = jax.lax.pmax(
-        jnp.concatenate([jnp.reshape(scale, -1) for scale in local_scales]), wire.axis
-    )
+    if not inputs:
+        return [], []
+
+    def common(tight: bool) -> tuple[jax.Array, list[jax.Array]]:
+        bounds, local_scales = [], []
+        for x, split in zip(inputs, wire.splits, strict=True):
+            scale, bound, finite = _scale_and_bound(x, clip_sigma, split, tight)
+            bounds.append(bound)
+            # A non-finite input is marked +inf, not NaN: max is guaranteed
+            # to propagate inf to every device.
+            local_scales.append(jnp.reshape(jnp.where(finite, scale, jnp.inf), -1))
+        return jax.lax.pmax(jnp.concatenate(local_scales), wire.axis), bounds
+
+    flat, bounds = common(tight)
+    if not tight and clip_sigma is not None:
+        # A clipping bound is +inf for an input holding an infinity and for
+        # a finite one whose sum of squares overflowed: only then (some
+        # scale +inf on some device, which every device sees after the
+        # pmax, so none decides alone) are the largest magnitudes read, and
+        # every device codes against its tight scale, unclipped where its
+        # sum overflowed.
+        flat, bounds = run_if(
+            jnp.any(jnp.isinf(flat)), lambda _: common(tight=True), (flat, bounds)
+        )
+    sizes = [int(np.size(bound)) for bound in bounds]
     scales = jnp.split(flat, np.cumsum(sizes)[:-1])
     return [
         jnp.reshape(scale, jnp.shape(bound))
@@ -168,7 +185,9 @@ def _scale_and_bound(
     scalar for a leaf of rank 2 or less.
     """
     if x.ndim < 3:
-        return scale_and_bound(x, clip_sigma, split=split, tight=tight)
+        return scale_and_bound(
+            x, clip_sigma, split=split, tight=tight, recheck_overflow=False
+        )
     within = tuple(range(1, x.ndim))
     # Reduced within each layer: over the blocks of the other dimensions.
     others = (None, *split[1:]) if split else split
@@ -180,22 +199,14 @@ def _scale_and_bound(
         else clip_sigma * jnp.sqrt(sum_sq / max(per_layer, 1))
     )
 
-    def tight_scale(_: Any) -> tuple[jax.Array, jax.Array]:
+    if clip_sigma is None or tight:
         largest = jnp.max(jnp.abs(x), axis=within, initial=0.0)
         max_abs = _blocks.maximum(largest, others)
         # A finite layer whose sum of squares overflows is left unclipped.
+        scale = jnp.minimum(max_abs, bound)
         finite = ~jnp.isnan(sum_sq) & jnp.isfinite(max_abs)
-        return jnp.minimum(max_abs, bound), finite
-
-    if clip_sigma is None or tight:
-        scale, finite = tight_scale(None)
-    else:  # max|x| is read only where a layer's sum of squares is +inf
-        scale, finite = jax.lax.cond(
-            jnp.any(jnp.isinf(sum_sq)),
-            tight_scale,
-            lambda _: (bound, jnp.isfinite(bound)),
-            None,
-        )
+    else:  # an overflowed sum is rechecked after the pmax (`_common_scales`)
+        scale, finite = bound, jnp.isfinite(bound)
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)
     return scale.reshape(shape), bound.reshape(shape), jnp.all(finite)
 

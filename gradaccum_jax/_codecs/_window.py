@@ -277,10 +277,8 @@ def reduce_terms(
         new_codec = jax.tree.map(lambda leaf: leaf[None], new.codec)
         return sums, new.key, sq_excess, new_arrays, new_codec
 
-    # Unchecked, as the layouts' own maps over terms: the terms are
-    # unreduced (JAX has no cast from unreduced to varying), and the sums
-    # come partly from ``all_gather``, typed varying though the same on
-    # every device.
+    # Unchecked: JAX has no cast from unreduced terms to varying, and sums
+    # from ``all_gather`` are typed varying though the same on every device.
     sums, key, sq_excess, arrays, codec_state = jax.shard_map(
         local,
         in_specs=(term_specs, P(), array_specs, state_spec),

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _checks
+from gradaccum_jax._control import run_if
 from gradaccum_jax._ternary import _blocks, _random
 
 # TWN (Li & Liu 2016): delta = 0.7 * E|x| approximates the threshold that
@@ -44,6 +45,7 @@ def scale_and_bound(
     *,
     tight: bool = False,
     split: _blocks.Split = _blocks.WHOLE,
+    recheck_overflow: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The scale and clipping bound of ``v``, and whether v is all finite.
 
@@ -71,7 +73,10 @@ def scale_and_bound(
       a larger variance, never a bias. Where the sum of squares overflows
       (rms above ~1.8e19 / sqrt(size)), and only there, ``max|x|`` is read
       as well and the scale is the tight one, unclipped: a finite ``x``
-      stays finite, at no cost to the common path.
+      stays finite, at no cost to the common path. (``recheck_overflow=
+      False`` leaves that to the caller, which marks such an ``x`` as not
+      finite: the ternary codec rechecks after its devices' pmax, where the
+      question is the same on every device.)
 
     Without clipping the scale is ``max|v|`` and the bound +inf.
 
@@ -107,18 +112,16 @@ def scale_and_bound(
         finite = ~jnp.isnan(sum_sq) & jnp.isfinite(max_abs)
         return jnp.minimum(max_abs, bound), bound, finite
 
+    if clip_sigma is not None and not tight and not recheck_overflow:
+        return bound, bound, jnp.isfinite(bound)
     if clip_sigma is not None and not tight:
         # The sum of squares is +inf for an infinite x and for a finite one
         # that overflows it: only then is max|x| read, to tell them apart.
         # A cond of scalars (a select of both where its predicate is mapped
         # over workers: no collective decides it), not `run_if`'s loop,
         # whose predicate a map over workers all-reduces.
-        return jax.lax.cond(
-            jnp.isinf(sum_sq),
-            tight_scale,
-            lambda _: (bound, bound, jnp.isfinite(bound)),
-            None,
-        )
+        loose = (bound, bound, jnp.isfinite(bound))
+        return run_if(jnp.isinf(sum_sq), tight_scale, loose)
     return tight_scale(None)
 
 
