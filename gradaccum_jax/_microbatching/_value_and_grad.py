@@ -88,7 +88,8 @@ def microbatched_value_and_grad(
       data_axis: None, or the mesh axis the batch is sharded over: each
         device scans its own examples and the gradient is reduced once.
       gather_params_once: with ``data_axis``, gather parameters sharded over
-        it once per step (True) or in every micro-batch (False).
+        it once per step (True) or in every micro-batch (False; where some
+        parameter is also split over another mesh axis, once per step).
       unreduced_grads: with ``data_axis`` on an Explicit mesh, return the
         gradients unreduced over it.
       return_noise_scale: also return this step's `NoiseScaleEstimate`
