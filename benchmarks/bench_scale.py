@@ -280,10 +280,14 @@ def _models():
 # --- the paths -------------------------------------------------------------
 
 
-def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
+def _build_path(path, loss, data_axis, workers_axis, fragment_axis, batch_axes):
     """(transformation, step, kind, stacked): kind "micro" (a call is one
     micro-step) or "window" (a call is a whole window of K micro-batches);
     stacked when params and state are DiLoCo's stacked workers.
+    ``data_axis``: the axis the once-per-window paths reduce once per window
+    (``dcn`` on a multi-slice mesh: the multi-slice recipe reduces over the
+    fast ``data`` inside each slice on every micro-step); ``batch_axes``:
+    every axis the batch is split over.
     ``fragment_axis``: DiLoCo's, the scanned leaves cut along their layers."""
     import jax
     import optax
@@ -346,12 +350,21 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis):
         from jax.sharding import PartitionSpec as P
         from jax.sharding import reshard
 
-        def reduced(leaf):
-            spec = jax.typeof(leaf).sharding.spec
-            return reshard(leaf, P(*spec, reduced={data_axis}))
+        def marked(leaf, **kinds):
+            return reshard(leaf, P(*jax.typeof(leaf).sharding.spec, **kinds))
+
+        # On a multi-slice mesh, reduced over both batch axes (JAX's rule
+        # for a product that sums over the rows), the gradients then summed
+        # over `data` and unreduced over `dcn` alone.
+        slices = data_axis == "dcn"
+        reduced_over = set(batch_axes) if slices else {data_axis}
 
         def grad_fn(params, *batch):
-            return jax.grad(loss)(jax.tree.map(reduced, params), *batch)
+            local = jax.tree.map(lambda p: marked(p, reduced=reduced_over), params)
+            grads = jax.grad(loss)(local, *batch)
+            if not slices:
+                return grads
+            return jax.tree.map(lambda g: marked(g, unreduced={data_axis}), grads)
 
         ternary = path.startswith("ternary window")
         tx = ga.MultiSteps(
@@ -444,8 +457,10 @@ def _measure(config, path, mesh, spec):
 
     params_spec, batch_spec, loss = spec
     axes = mesh.axis_names
-    data_axis = "data"
-    workers_axis = "dcn" if "dcn" in axes else "data"
+    # The slow axis, summed once per window: `dcn` where slices are joined
+    # by it (the multi-slice recipe), else `data`. DiLoCo's workers too.
+    data_axis = workers_axis = "dcn" if "dcn" in axes else "data"
+    batch_axes = tuple(a for a in ("dcn", "data", "fsdp") if a in axes)
     # DiLoCo's fragments are blocks of layers: the scanned leaves (all of
     # the reference's, the transformer's "layers") are cut along axis 0.
     fragment_axis = (
@@ -454,7 +469,7 @@ def _measure(config, path, mesh, spec):
         else 0
     )
     tx, step, kind, stacked = _build_path(
-        path, loss, data_axis, workers_axis, fragment_axis
+        path, loss, data_axis, workers_axis, fragment_axis, batch_axes
     )
     rows_factor = K if kind == "window" else 1
 
@@ -489,6 +504,9 @@ def _measure(config, path, mesh, spec):
     memory = compiled.memory_analysis()
     found = collectives(compiled, mesh)
     micro, micro_bytes, window, window_bytes = _per_micro_and_window(found, kind)
+    # What crosses `dcn` (the slow network between slices) per window.
+    over_dcn = [c for c in found if "dcn" in c.axes]
+    dcn_window_bytes = _per_micro_and_window(over_dcn, kind)[3] if over_dcn else 0
     return {
         "config": config,
         "path": path,
@@ -500,6 +518,7 @@ def _measure(config, path, mesh, spec):
         "micro_step_bytes": micro_bytes,
         "window_only": window,
         "window_bytes": window_bytes,
+        "dcn_window_bytes": dcn_window_bytes if "dcn" in axes else None,
         "compile_s": seconds,
         # Each collective but its device groups (their size and mesh axes
         # stay): 256 devices' groups would make the file megabytes.
@@ -565,7 +584,7 @@ def _counts(counts):
 def _row(r):
     if "error" in r:
         return (
-            f"| {r['config']} | {r['path']} | {r['error']} | | | | | "
+            f"| {r['config']} | {r['path']} | {r['error']} | | | | | | "
             f"| {r['compile_s']:.1f} |"
         )
     return (
@@ -573,14 +592,21 @@ def _row(r):
         f"| {r['output_bytes'] / GIB:.3f} | {r['temp_bytes'] / GIB:.3f} "
         f"| {_counts(r['micro_step'])}, {r['micro_step_bytes'] / MIB:.1f} "
         f"| {_counts(r['window_only'])} | {r['window_bytes'] / MIB:.1f} "
-        f"| {r['compile_s']:.1f} |"
+        f"| {_over_dcn(r)} | {r['compile_s']:.1f} |"
     )
+
+
+def _over_dcn(r):
+    """MiB over `dcn` per window, where the mesh has it."""
+    dcn = r.get("dcn_window_bytes")
+    return "" if dcn is None else f"{dcn / MIB:.1f}"
 
 
 HEADER = (
     "| configuration | path | arguments GiB | outputs GiB | temporaries GiB "
     "| per micro-step: collectives, MiB | once per window | MiB per window "
-    "| compile s |\n|---|---|---:|---:|---:|---|---|---:|---:|"
+    "| MiB over dcn per window | compile s |\n"
+    "|---|---|---:|---:|---:|---|---|---:|---:|---:|"
 )
 
 
@@ -662,7 +688,17 @@ def main() -> None:
     if args.plots:
         plots = Path(args.plots)
         plots.mkdir(parents=True, exist_ok=True)
-        (plots / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+        saved = plots / "scale.json"
+        if args.only and saved.exists():
+            # The configurations and paths run replace theirs in the saved
+            # file, in place; the others' rows stay.
+            ran = {(r["config"], r["path"]): r for r in results}
+            old = json.loads(saved.read_text())
+            seen = {(r["config"], r["path"]) for r in old}
+            results = [ran.get((r["config"], r["path"]), r) for r in old] + [
+                r for key, r in ran.items() if key not in seen
+            ]
+        saved.write_text(json.dumps(results, indent=1) + "\n")
     if args.plots and not args.no_figure:
         # Imported here: the figure needs matplotlib (the `examples` extra),
         # the figures do not (tests/test_measure.py runs at the floors).

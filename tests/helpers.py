@@ -128,11 +128,14 @@ def api_table_entries() -> list[str]:
     return entries
 
 
-def compiled_reference(scratch: pathlib.Path, *paths: str) -> dict[str, dict]:
+def compiled_reference(
+    scratch: pathlib.Path, *paths: str, config: str = "reference"
+) -> dict[str, dict]:
     """Each of ``paths`` of ``benchmarks/bench_scale.py`` compiled on its
-    0.81B-param reference configuration (``data`` 8 x ``model`` 8): its row
-    of ``scale.json`` (memory and collectives), by path. The compile runs in
-    a process of its own, whose 64 devices this process (8) cannot have."""
+    configuration ``config`` (default its 0.81B-param reference, ``data`` 8
+    x ``model`` 8): its row of ``scale.json`` (memory and collectives), by
+    path. The compile runs in a process of its own, whose 64 devices this
+    process (8) cannot have."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
         "--xla_force_host_platform_device_count=8", ""
@@ -142,7 +145,7 @@ def compiled_reference(scratch: pathlib.Path, *paths: str) -> dict[str, dict]:
             sys.executable,
             str(REPO / "benchmarks" / "bench_scale.py"),
             "--only",
-            "reference",
+            config,
             "--paths",
             *paths,
             "--plots",

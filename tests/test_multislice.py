@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax.measure import collectives
+from helpers import compiled_reference
 
 AXES = ("dcn", "data", "model")
 K = 2  # micro-batches per window (or inner steps per DiLoCo sync)
@@ -348,3 +349,36 @@ def test_microbatched_step_reduces_over_data_per_micro_batch_and_dcn_once(kind):
     assert [(op.kind, op.place) for op in over_dcn] == [("all-reduce", "entry")]
     over_data = [op for op in found if op.kind == "all-reduce" and op.axes == ("data",)]
     assert [(op.place, op.trips) for op in over_data] == [("loop", (K,))], found
+
+
+@pytest.mark.slow
+def test_the_benchmarks_multi_slice_rows_measure_the_multi_slice_recipe(tmp_path):
+    """``bench_scale.py``'s 1B transformer on `dcn` 2 x `data` 4 x `model` 8:
+    its once-per-window paths defer `dcn`, the slow network, and reduce
+    over `data` on every micro-step (they deferred `data` and all-reduced
+    every micro-step's gradient over `dcn`), so a window sends an eighth of
+    what `optax.MultiSteps` sends over `dcn`; the table's column says so."""
+    once = "once per window (local_value_and_grad)"
+    inside = "microbatched_value_and_grad(data_axis=)"
+    rows = compiled_reference(
+        tmp_path,
+        "optax.MultiSteps + jax.grad",
+        once,
+        inside,
+        config="lm-1b/dcn x data x model",
+    )
+
+    def over_dcn(path):
+        return [
+            (c["kind"], tuple(c["axes"]), c["place"], c["trips"])
+            for c in rows[path]["collectives"]
+            if "dcn" in c["axes"]
+        ]
+
+    # The window's one all-reduce, over `dcn` alone: in the emission loop
+    # (a runtime trip count), or after the scan of a whole window.
+    assert over_dcn(once) == [("all-reduce", ("dcn",), "loop", [None])]
+    assert over_dcn(inside) == [("all-reduce", ("dcn",), "entry", [])]
+    optax_bytes = rows["optax.MultiSteps + jax.grad"]["dcn_window_bytes"]
+    for path in (once, inside):
+        assert 7.9 * rows[path]["dcn_window_bytes"] < optax_bytes
