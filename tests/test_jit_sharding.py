@@ -794,14 +794,27 @@ def test_a_tracked_ternary_window_sums_the_noise_scale_terms_exactly(mesh):
     )
     ops = _weighted_step_all_reduces(opt)
     assert {op.place for op in ops} == {"while-body"}
+    params = jax.device_put(_params(), P())
+    compiled = (
+        jax.jit(_weighted_step(opt))
+        .lower(
+            params, jax.jit(opt.init)(params), *_place(_micro_batches([16], True)[0])
+        )
+        .compile()
+    )
+    found = ga.measure.collectives(compiled)
     # A, k, V and n: four more scalars in the exact psum, and a fifth: what
     # the codes add to the window's squared norm (summed after the codes are
-    # drawn, XLA combines it with the exact psum).
-    assert sorted(op.nbytes for op in ops) == [
+    # drawn, XLA combines it with the exact psum); all in the emission.
+    assert sorted(c.nbytes for c in found if c.trips == (None,)) == [
         SCALE_BYTES,
         EXACT_BYTES + 4 * 4 + 4,
         CODE_BYTES,
     ]
+    # The scales' pmax again, in a loop inside the emission that runs only
+    # where a scale came back +inf (a sum of squares that overflowed).
+    rechecks = [(c.kind, c.nbytes) for c in found if c.trips == (None, None)]
+    assert rechecks == [("all-reduce", SCALE_BYTES)]
 
 
 def test_ternary_window_is_identical_on_every_device_and_per_seed(any_mesh):
