@@ -234,12 +234,12 @@ def _steady_errors(codec):
     }
 
 
-# 800 steps on 8 emulated devices: 30 to 100 s each for all but the first
-# two, which run in `slow` (`.ci/run`).
+# 800 steps on 8 emulated devices: 10 to 100 s each; all but the first run
+# in `slow` (`.ci/run`).
 _SLOW = pytest.mark.slow
 STEADY_CODECS = [
     pytest.param(codecs.ternary(), id="ternary"),
-    pytest.param(codecs.powersgd(2), id="powersgd"),
+    pytest.param(codecs.powersgd(2), id="powersgd", marks=_SLOW),
     pytest.param(codecs.quantized(), id="int8", marks=_SLOW),
     pytest.param(codecs.quantized(bits=4), id="e2m1", marks=_SLOW),
     pytest.param(codecs.topk(0.03, bits=4), id="topk-3%-4-bit", marks=_SLOW),
