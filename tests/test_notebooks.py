@@ -80,7 +80,22 @@ EXECUTED_ELSEWHERE = {"06_transformer_lm"}
 EXECUTED_HERE = [path for path in NOTEBOOKS if path.stem not in EXECUTED_ELSEWHERE]
 
 
-@pytest.mark.parametrize("path", EXECUTED_HERE, ids=ids(EXECUTED_HERE))
+# The slowest notebook (about a minute on 2 cores) runs in `slow` (.ci/run),
+# keeping a plain `pytest` under 10 minutes.
+SLOW_NOTEBOOKS = {"07_low_communication"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(
+            path,
+            id=path.stem,
+            marks=[pytest.mark.slow] if path.stem in SLOW_NOTEBOOKS else [],
+        )
+        for path in EXECUTED_HERE
+    ],
+)
 def test_notebook_runs(path):
     # Otherwise the install cell would try to download the package.
     assert importlib.util.find_spec("gradaccum_jax") is not None

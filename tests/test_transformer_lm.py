@@ -76,6 +76,9 @@ def run_notebook(out_dir: pathlib.Path) -> tuple[dict, float]:
     return {name: lm.RunResult(**fields) for name, fields in results.items()}, seconds
 
 
+# Five training runs in a notebook kernel (about 40 s on 2 cores): run by
+# .ci/run with the other `slow` tests.
+@pytest.mark.slow
 def test_the_notebook_shows_what_the_example_claims(tmp_path):
     """One test, so that the five runs are trained once whichever test
     process runs it; every check runs, and each failure is named."""
