@@ -80,9 +80,9 @@ EXECUTED_ELSEWHERE = {"06_transformer_lm"}
 EXECUTED_HERE = [path for path in NOTEBOOKS if path.stem not in EXECUTED_ELSEWHERE]
 
 
-# The slowest notebook (about a minute on 2 cores) runs in `slow` (.ci/run),
-# keeping a plain `pytest` under 10 minutes.
-SLOW_NOTEBOOKS = {"07_low_communication"}
+# The slowest notebooks (25 s to a minute each on 2 cores) run in `slow`
+# (.ci/run), keeping a plain `pytest` under 10 minutes.
+SLOW_NOTEBOOKS = {"02_data_parallel", "03_ternary", "07_low_communication"}
 
 
 @pytest.mark.parametrize(
