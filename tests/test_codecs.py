@@ -1433,8 +1433,13 @@ def _row_mean_step(tx):
 
 @pytest.mark.parametrize(
     "codec",
-    [codecs.quantized(bits=4), codecs.topk(0.1)],
-    ids=["e2m1", "topk"],
+    [
+        codecs.quantized(bits=4),
+        codecs.topk(0.1),
+        # Maps found by bisection, whose loops carry device-varying bounds.
+        codecs.topk(0.5, bits=1, collective="reduce_scatter"),
+    ],
+    ids=["e2m1", "topk", "topk-1-bit-map-reduce-scatter"],
 )
 def test_a_tensor_parallel_leaf_is_coded_where_it_lies_in_a_shard_map(codec):
     """Inside a shard_map over `data` alone, a leaf split over `model` by
