@@ -309,25 +309,31 @@ OVERFLOWING_CODECS = {
 }
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "codec", OVERFLOWING_CODECS.values(), ids=OVERFLOWING_CODECS.keys()
 )
-def test_a_large_finite_gradient_gives_a_finite_mean(codec):
+def test_a_large_finite_gradient_gives_a_finite_mean(codec, dtype):
     """One element of 2e20 on one device (its square overflows float32; the
     mean, 2.5e19, does not): every mean and residual stays finite, and that
-    element's mean is the float32 one."""
+    element's mean is the float32 one; bfloat16 updates come back in
+    bfloat16."""
     grads = _grads(12, {"w": SHAPES["w"], "s": SHAPES["s"]})
     grads["w"][3, 5, 7] = 2e20
     grads["s"][2, 1, 3, 4] = 2e20
+    grads = {name: g.astype(dtype) for name, g in grads.items()}
     tx = ga.compressed_average_across_devices("i", codec)
     means, state = jax.pmap(tx.update, axis_name="i")(
         grads, _replicate(tx.init(_params({"w": SHAPES["w"], "s": SHAPES["s"]})))
     )
     for leaf in jax.tree.leaves((means, state.residual)):
-        assert np.all(np.isfinite(np.asarray(leaf)))
+        assert np.all(np.isfinite(np.asarray(leaf, np.float32)))
     for name, at in (("w", (5, 7)), ("s", (1, 3, 4))):
+        assert means[name].dtype == dtype
         exact = np.asarray(grads[name], np.float64).mean(0)[at]
-        assert np.asarray(means[name])[(0, *at)] == pytest.approx(exact, rel=0.2)
+        assert float(np.asarray(means[name], np.float32)[(0, *at)]) == pytest.approx(
+            exact, rel=0.2
+        )
 
 
 def test_ternary_stochastic_rounding_without_rounding_feedback_does_not():
