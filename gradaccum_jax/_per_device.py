@@ -108,19 +108,28 @@ def _manual_over(
         )
 
         def on_device(*blocks):
+            # A None (an absent batch field) is passed through as it is.
             blocks = jax.tree.map(
                 lambda block, spec: (
-                    _tree.vary_over(block, varying) if spec == P() else block[0]
+                    block
+                    if block is None
+                    else _tree.vary_over(block, varying)
+                    if spec == P()
+                    else block[0]
                 ),
                 blocks,
                 in_specs,
+                is_leaf=lambda x: x is None,
             )
             return jax.tree.map(
                 lambda leaf, spec: (
-                    leaf if spec == P() else _tree.vary_over(leaf, varying)[None]
+                    leaf
+                    if leaf is None or spec == P()
+                    else _tree.vary_over(leaf, varying)[None]
                 ),
                 fn(*blocks),
                 out_specs,
+                is_leaf=lambda x: x is None,
             )
 
         return jax.shard_map(

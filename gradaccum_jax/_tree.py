@@ -269,6 +269,26 @@ def map_unreduced_terms(
     )(acc, terms, weight)
 
 
+def is_metadata_box(node: Any) -> bool:
+    """Whether ``node`` is a framework's box of one array and its metadata:
+    flax linen's ``AxisMetadata`` (``nn.LogicallyPartitioned``,
+    ``nn.Partitioned``) or an nnx ``Variable``, which hold it as ``value``
+    and carry the params' partitioning."""
+    module = type(node).__module__
+    return module.startswith("flax.") and hasattr(node, "value")
+
+
+def unboxed(tree: Any) -> Any:
+    """``tree`` with every metadata box (`is_metadata_box`) replaced by its
+    array: for a state's leaves that are not laid out like the params,
+    whose partitioning the boxes would otherwise hand on to them."""
+    return jax.tree.map(
+        lambda node: node.value if is_metadata_box(node) else node,
+        tree,
+        is_leaf=is_metadata_box,
+    )
+
+
 def any_mapped_axis_bound() -> bool:
     """Whether the code is traced under ``pmap``, ``shard_map`` or a named vmap.
 

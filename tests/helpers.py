@@ -168,3 +168,32 @@ def init_as_users_do(init: Any, params: Any) -> Any:
     if jax.sharding.AxisType.Auto in jax.sharding.get_abstract_mesh().axis_types:
         return init(params)
     return jax.jit(init)(params)
+
+
+def scan_carries(eqn: Any) -> list[Any]:
+    """The carry operands (the accumulators) of a ``scan`` jaxpr equation.
+
+    JAX 0.11 replaced the scan's ``num_consts`` / ``num_carry`` parameters
+    with flat trees (``ft_in``: consts, carry, xs): both are read.
+    """
+    params = eqn.params
+    if "ft_in" in params:
+        _, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
+        return list(carry)
+    start = params["num_consts"]
+    return list(eqn.invars[start : start + params["num_carry"]])
+
+
+def assert_no_unreduced_or_reduced(tree: Any, name: str) -> None:
+    """Asserts that no leaf of ``tree`` (what a jitted function returned)
+    is typed unreduced or reduced over a mesh axis: newer JAX releases
+    refuse such an array as the next call's input."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+        marked = set(getattr(spec, "unreduced", ()) or ()) | set(
+            getattr(spec, "reduced", ()) or ()
+        )
+        assert not marked, (
+            f"{name} returned {jax.tree_util.keystr(path)} typed {spec}: "
+            "unreduced or reduced across a jit boundary"
+        )

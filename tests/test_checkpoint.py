@@ -15,7 +15,6 @@ and uint32 (PRNG key data) leaves, and bfloat16 params.
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,15 +25,9 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-
-CHECKPOINTS_GUIDE = (
-    pathlib.Path(__file__).resolve().parent.parent
-    / "docs"
-    / "guides"
-    / "checkpoints.md"
-)
 
 STEPS = 11
 SAVE_AT = 5  # with every_k = 3: one window emitted, two micro-steps into the next
@@ -297,37 +290,94 @@ def test_resume_with_a_fresh_transformation_is_bit_identical(case, tmp_path):
 # --- unreduced windows --------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "make_tx",
-    [
-        lambda: ga.MultiSteps(optax.sgd(1.0), 2, unreduced_axes="data"),
-        # Its window is stacked, its weight unreduced.
-        lambda: ga.ternary_accumulate(optax.sgd(1.0), 2, unreduced_axes="data"),
-    ],
-    ids=["MultiSteps", "ternary_accumulate"],
-)
-def test_raw_save_of_an_unreduced_state_raises_what_the_guide_quotes(make_tx, tmp_path):
-    # orbax's save cannot be intercepted: the checkpoints guide quotes its
-    # error, so that a user searching for it finds what to save instead.
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+PER_DEVICE = {
+    "MultiSteps": lambda: ga.MultiSteps(optax.adam(0.1), 3, unreduced_axes="data"),
+    # Its window is stacked per device, its weight a term.
+    "ternary_accumulate": lambda: ga.ternary_accumulate(
+        optax.adam(0.1), 3, unreduced_axes="data", min_size=16
+    ),
+}
+
+
+def _per_device_run(make_tx, mesh, state=None, start=0, stop=5):
+    """Steps ``start``..``stop`` of a per-device window on ``mesh`` (a
+    ``local_value_and_grad`` step): the params and state after them."""
+    rs = np.random.RandomState(0)
+    xs = rs.randn(stop, 32, 64).astype(np.float32)
     with jax.set_mesh(mesh):
         tx = make_tx()
-        state = jax.jit(tx.init)({"w": np.zeros(2048, np.float32)})
-        with (
-            pytest.raises(NotImplementedError) as raised,
-            ocp.StandardCheckpointer() as checkpointer,
-        ):
-            checkpointer.save(tmp_path / "raw", state)
-        assert f"NotImplementedError: {raised.value}\n" in CHECKPOINTS_GUIDE.read_text()
-        # What the guide says to save instead saves.
-        with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(tmp_path / "reduced", tx.reduce_window(state))
+        grad_fn = ga.local_value_and_grad(
+            lambda p, x: jnp.mean((x @ p["w"]) ** 2), "data"
+        )
+
+        @jax.jit
+        def step(params, state, x):
+            _, grads = grad_fn(params, x)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        params = {"w": jnp.full((64, 4), 0.1, jnp.float32)}
+        state = jax.jit(tx.init)(params) if state is None else state
+        for i in range(start, stop):
+            params, state = jax.block_until_ready(
+                step(params, state, jax.device_put(xs[i], P("data")))
+            )
+        return params, state
+
+
+@pytest.mark.parametrize("make", sorted(PER_DEVICE))
+def test_a_per_device_state_saves_as_it_is_and_resumes_bitwise(make, tmp_path):
+    """No unreduced array in the state: orbax saves it mid-window, and the
+    restored run is the uninterrupted one, bit for bit."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    make_tx = PER_DEVICE[make]
+    expected, _ = _per_device_run(make_tx, mesh)
+    params, state = _per_device_run(make_tx, mesh, stop=2)  # mid-window
+    assert not any(ga._tree.unreduced_axes(leaf) for leaf in jax.tree.leaves(state))
+    assert state.acc_weight.shape == (8,)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "raw", state)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "raw", state)
+    resumed, _ = _per_device_run(make_tx, mesh, state=restored, start=2)
+    np.testing.assert_array_equal(resumed["w"], expected["w"])
+
+
+def _mesh_of(devices: int) -> jax.sharding.Mesh:
+    return jax.make_mesh(
+        (devices,),
+        ("data",),
+        axis_types=(AxisType.Explicit,),
+        devices=jax.devices()[:devices],
+    )
+
+
+def test_a_float_window_resumes_on_another_number_of_devices():
+    """Saved on 8 devices mid-window, restored as host arrays on 4: the
+    rows are summed on the first call and the window goes on."""
+    make_tx = PER_DEVICE["MultiSteps"]
+    expected, _ = _per_device_run(make_tx, _mesh_of(8))
+    _, state = _per_device_run(make_tx, _mesh_of(8), stop=2)
+    host = jax.device_get(state)
+    assert host.acc_grads["w"].shape == (8 * 64, 4)
+    params, state = _per_device_run(make_tx, _mesh_of(4), state=host, start=2)
+    assert state.acc_grads["w"].shape == (4 * 64, 4)
+    np.testing.assert_allclose(params["w"], expected["w"], rtol=1e-5, atol=1e-7)
+
+
+def test_a_per_device_ternary_window_refuses_another_number_of_devices():
+    make_tx = PER_DEVICE["ternary_accumulate"]
+    _, state = _per_device_run(make_tx, _mesh_of(8), stop=2)
+    with pytest.raises(
+        ValueError,
+        match=r"state\.acc_grads\S* holds the windows of 8 devices.*4 devices",
+    ):
+        _per_device_run(make_tx, _mesh_of(4), state=jax.device_get(state), start=2)
 
 
 def test_unreduced_axes_docstring_says_what_to_checkpoint():
     doc = " ".join(ga.MultiSteps.__init__.__doc__.split())
     unreduced_axes = doc[doc.index("unreduced_axes:") : doc.index("window_reduction:")]
-    assert "checkpoint ``reduce_window(state)`` instead" in unreduced_axes
-    # reduce_window's own docstring quotes the error, for a search to find.
+    assert "the state is saved as it is" in unreduced_axes
     reduce_window = " ".join(ga.MultiSteps.reduce_window.__doc__.split())
-    assert "device_indices_map doesn't work with unreduced" in reduce_window
+    assert "shaped like the params" in reduce_window

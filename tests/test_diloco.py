@@ -20,7 +20,13 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from helpers import compiled_reference, entry_arrays, init_as_users_do, moved_arrays
+from helpers import (
+    assert_no_unreduced_or_reduced,
+    compiled_reference,
+    entry_arrays,
+    init_as_users_do,
+    moved_arrays,
+)
 
 N = 8  # devices, workers on 1-D layouts
 
@@ -177,6 +183,7 @@ def run_stacked(opt, params, grads_seq, layout="1d-explicit", weights=None):
             )
             weight = None if weights is None else weights[i]
             stacked, state = jax.block_until_ready(step(stacked, state, grads, weight))
+            assert_no_unreduced_or_reduced((stacked, state), f"diloco on {layout}")
         return stacked, state, step.lower(stacked, state, grads, weight).compile()
 
 

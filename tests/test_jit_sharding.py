@@ -43,10 +43,19 @@ def any_mesh(request):
 
 
 def _holds_terms(leaf, mesh, shape):
-    """Whether ``leaf`` keeps one term per device of a value of ``shape``."""
-    if mesh.axis_types == (AxisType.Explicit,):
-        return ga._tree.unreduced_axes(leaf) == {"data"} and leaf.shape == shape
-    return leaf.shape == (N_DEVICES, *shape) and leaf.sharding.spec == P("data")
+    """Whether ``leaf`` keeps one term per device of a value of ``shape``.
+
+    Between jitted calls, as an ordinary array split over ``data`` (no
+    unreduced type crosses a jit boundary), on Explicit and Auto meshes
+    alike: the devices' terms one after another along the leading
+    dimension (a new leading axis where there is none or it has size 1).
+    """
+    del mesh  # the same form on either kind of mesh
+    if ga._tree.unreduced_axes(leaf) or leaf.sharding.spec[0] != "data":
+        return False
+    if shape and shape[0] > 1:
+        return leaf.shape == (N_DEVICES * shape[0], *shape[1:])
+    return leaf.shape == (N_DEVICES, *shape)
 
 
 def _params():
@@ -216,14 +225,14 @@ def test_unweighted_equal_micro_batches_equal_the_big_batch_gradient(mesh):
     def step(params, state, x, y):
         loss, grads = grad_fn(params, x, y)
         updates, state = opt.update(grads, state, params)
-        return updates, state, reshard(loss, P())
+        return updates, state, loss  # one term per device
 
     batches = _micro_batches([16, 16, 16])
     for batch in batches:
         updates, state, loss = step(params, state, *_place(batch[:2]))
     assert _max_error(updates, _big_batch_grad(params, batches)) < 1e-6
     np.testing.assert_allclose(
-        loss, _mean_loss(jax.device_get(params), *batches[-1][:2]), rtol=1e-6
+        loss.sum(), _mean_loss(jax.device_get(params), *batches[-1][:2]), rtol=1e-6
     )
 
 
@@ -389,11 +398,7 @@ def test_a_device_of_padding_only_adds_nothing_to_the_window(mesh_name, reductio
                 jax.jit(step)(params, state, *_place(batch))
             )
         stats = jax.jit(opt.stats)(state)
-        logged = (
-            float(np.sum(loss))
-            if axis_type == AxisType.Auto
-            else float(reshard(loss, P()))
-        )
+        logged = float(np.sum(loss))  # one term per device, either mesh
     exact = _big_batch_grad(params, batches)
     x, y, mask = batches[-1]
     valid = mask.astype(bool)
@@ -436,9 +441,12 @@ def test_a_per_device_state_is_saved_through_reduce_window(any_mesh):
     step = jax.jit(_weighted_step(opt))
     batches = _micro_batches([16, 32, 8], masked=True)
     _, state = step(params, state, *_place(batches[0]))
-    if any_mesh.axis_types == (AxisType.Explicit,):
-        with pytest.raises(NotImplementedError, match="unreduced"):
-            jax.device_get(state.acc_grads["w1"])
+    # Saved as it is (ordinary arrays), restored replicated, it goes on too.
+    raw = jax.device_put(jax.device_get(state), P())
+    for batch in batches[1:]:
+        raw_updates, raw = step(params, raw, *_place(batch))
+    assert _holds_terms(raw.acc_grads["w1"], any_mesh, (16, 32))
+    assert _max_error(raw_updates, _big_batch_grad(params, batches)) < 1e-6
     saved = jax.device_get(jax.jit(opt.reduce_window)(state))
     assert saved.acc_weight == batches[0][2].sum()
     assert saved.acc_grads["w1"].shape == (16, 32)
@@ -594,7 +602,16 @@ def test_unreduced_gradients_need_an_unreduced_window(mesh):
     opt = ga.MultiSteps(optax.sgd(1.0), K)
     params = jax.device_put(_params(), P())
     state = jax.jit(opt.init)(params)
+    grad_fn = ga.local_value_and_grad(_mean_loss, "data")
+
+    def step(params, state, x, y):
+        return opt.update(grad_fn(params, x, y)[1], state, params)
+
+    x, y, _ = _place(_micro_batches([16], True)[0])
     with pytest.raises(ValueError, match=r"leaf \['b'\] is unreduced over mesh axes"):
+        jax.jit(step)(params, state, x, y)
+    # Its weights, one row per device, name the same fix.
+    with pytest.raises(ValueError, match=r"one row per device .* unreduced_axes"):
         jax.jit(_weighted_step(opt))(
             params, state, *_place(_micro_batches([16], True)[0])
         )
@@ -1241,7 +1258,7 @@ def test_local_value_and_grad_gives_0d_arguments_to_every_device(any_mesh, compi
     total = jax.jit(
         lambda tree: ga._partials.terms_layout(frozenset({"data"})).reduce(tree)
     )
-    loss, grads = total((loss, grads))
+    loss, grads = np.sum(loss), total(grads)  # the loss: one row per device
     rows = np.split(np.arange(16), N_DEVICES)
     terms = [
         jax.value_and_grad(loss_fn)(jax.device_get(params), x[r], y[r], key, 2.0)
@@ -1346,3 +1363,97 @@ def test_a_donated_step_compiles_once(axis_type, kwargs):
             params, state = jax.block_until_ready(train_step(params, state, x))
     assert train_step._cache_size() == 1
     assert int(state.gradient_step) == 1
+
+
+MESHES_1D_2D = {
+    "1d-explicit": ((8,), ("data",), AxisType.Explicit),
+    "1d-auto": ((8,), ("data",), AxisType.Auto),
+    "2d-explicit": ((4, 2), ("data", "model"), AxisType.Explicit),
+    "2d-auto": ((4, 2), ("data", "model"), AxisType.Auto),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(MESHES_1D_2D))
+def test_local_value_and_grad_returns_each_devices_aux(layout):
+    """``has_aux``: the aux stacked per device (an ordinary array split over
+    ``data``, row d device d's); loss, weight and grads are those without it."""
+    shape, names, axis_type = MESHES_1D_2D[layout]
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+
+    def with_aux(params, x, y, mask):
+        (loss, count) = _masked_loss(params, x, y, mask)
+        errors = _errors(params, x, y)
+        return (loss, count), {"max_error": jnp.max(errors), "rows": x.shape[0]}
+
+    x, y, mask = _micro_batches([16], masked=True)[0]
+    with jax.set_mesh(mesh):
+        params = jax.device_put(_params(), P())
+        args = _place((x, y, mask))
+        total = ga._partials.terms_layout(frozenset({"data"})).reduce
+        plain_fn = ga.local_value_and_grad(_masked_loss, has_weight=True)
+        aux_fn = ga.local_value_and_grad(with_aux, has_weight=True, has_aux=True)
+
+        @jax.jit
+        def summed(params, *args):  # the gradients summed; the rows as they are
+            value, grads = plain_fn(params, *args)
+            (aux_value, aux), aux_grads = aux_fn(params, *args)
+            return (value, total(grads)), (aux_value, total(aux_grads)), aux
+
+        (value, grads), (aux_value, aux_grads), aux = summed(params, *args)
+        assert value[0].shape == value[1].shape == (mesh.shape["data"],)
+        n = mesh.shape["data"]
+        assert aux["max_error"].shape == (n,) and aux["rows"].shape == (n,)
+        assert not ga._tree.unreduced_axes(aux["max_error"])
+        if axis_type == AxisType.Explicit:
+            assert aux["max_error"].sharding.spec == P("data")
+    rows = np.split(np.arange(16), n)
+    want = [float(jnp.max(_errors(_params(), x[r], y[r]))) for r in rows]
+    np.testing.assert_allclose(aux["max_error"], want, rtol=1e-6)
+    np.testing.assert_array_equal(aux["rows"], [16 // n] * n)
+    for got, expected in zip(
+        jax.tree.leaves(jax.device_get((aux_value, aux_grads))),
+        jax.tree.leaves(jax.device_get((value, grads))),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("layout", sorted(MESHES_1D_2D))
+def test_none_batch_arguments_reach_the_loss_as_none(layout):
+    """An absent batch field (``batch.get("inputs_position")``), as an
+    argument or inside a dict, passes through every ``*_value_and_grad``."""
+    shape, names, axis_type = MESHES_1D_2D[layout]
+    mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+
+    def loss_fn(params, x, y, positions, extras):
+        assert positions is None and extras["segmentation"] is None
+        return _mean_loss(params, x, y)
+
+    x, y, _ = _micro_batches([16])[0]
+    extras = {"segmentation": None}
+    with jax.set_mesh(mesh):
+        params = jax.device_put(_params(), P())
+        args = (*_place((x, y)), None, extras)
+        local = jax.jit(ga.local_value_and_grad(loss_fn))(params, *args)
+        micro = jax.jit(
+            ga.microbatched_value_and_grad(loss_fn, 2, batch_argnums=(1, 2, 3, 4))
+        )(params, *args)
+        micro_data = jax.jit(
+            ga.microbatched_value_and_grad(
+                loss_fn, 2, batch_argnums=(1, 2, 3, 4), data_axis="data"
+            )
+        )(params, *args)
+        workers = ga.stack_workers(params, "data")
+        worker = jax.jit(ga.worker_value_and_grad(loss_fn, "data"))(workers, *args)
+        local_total = (
+            np.sum(local[0]),  # one row per device
+            jax.jit(ga._partials.terms_layout(frozenset({"data"})).reduce)(local[1]),
+        )
+    want_loss, want_grads = jax.value_and_grad(_mean_loss)(_params(), x, y)
+    for loss, grads in (local_total, micro, micro_data):
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        for name in want_grads:
+            np.testing.assert_allclose(
+                grads[name], want_grads[name], rtol=1e-4, atol=1e-6
+            )
+    assert worker[0].shape == (mesh.shape["data"],)

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
 from gradaccum_jax.measure import collectives
+from helpers import assert_no_unreduced_or_reduced
 
 K = 2  # micro-batches per window
 # The model's widths: inputs, hidden features (the scanned layers' too),
@@ -221,7 +222,12 @@ _PROGRAMS: list[Any] = []
 
 
 def _jit(f):
-    """``jax.jit(f)``, its program recorded in ``_PROGRAMS`` at the first call."""
+    """``jax.jit(f)``, its program recorded in ``_PROGRAMS`` at the first call.
+
+    Every value it returns (the states, the updates, the gradients) is
+    checked: no unreduced or reduced array crosses a jit boundary (newer
+    JAX releases refuse one as the next call's input).
+    """
     jitted = jax.jit(f)
     recorded = False
 
@@ -230,7 +236,9 @@ def _jit(f):
         if not recorded:
             _PROGRAMS.append(jitted.lower(*args).compile())
             recorded = True
-        return jitted(*args)
+        out = jitted(*args)
+        assert_no_unreduced_or_reduced(out, getattr(f, "__name__", repr(f)))
+        return out
 
     return call
 

@@ -117,8 +117,8 @@ def test_ternary_window_reduction_codes_each_device_block_on_an_explicit_mesh():
 
 def test_the_stacked_window_of_an_auto_mesh_keeps_the_model_split():
     """A (16, 32) param split P(None, "model") over 4 devices: each device
-    keeps a (1, 16, 8) term of the window, as on an Explicit mesh (a (16, 8)
-    unreduced block), through init and a jitted step; the step's argument
+    keeps a (16, 8) block of the window's rows, its term, as on an Explicit
+    mesh, through init and a jitted step; the step's argument
     bytes are the plain step's but for the per-device scalars."""
     mesh = _mesh(AxisType.Auto)
     opt = ga.MultiSteps(optax.sgd(0.1), 2, unreduced_axes="data")
@@ -131,7 +131,7 @@ def test_the_stacked_window_of_an_auto_mesh_keeps_the_model_split():
             jnp.ones((ROWS, 16), jnp.float32), NamedSharding(mesh, P("data"))
         )
         state = opt.init(w)
-        assert state.acc_grads.addressable_shards[0].data.shape == (1, 16, 8)
+        assert state.acc_grads.addressable_shards[0].data.shape == (16, 8)
         grad = _device_terms(AxisType.Auto)
 
         def step(w, state, x):
@@ -145,7 +145,7 @@ def test_the_stacked_window_of_an_auto_mesh_keeps_the_model_split():
         compiled = jax.jit(step).lower(w, state, x).compile()
         w, state = jax.jit(step)(w, state, x)
         jax.block_until_ready(state)
-        assert state.acc_grads.addressable_shards[0].data.shape == (1, 16, 8)
+        assert state.acc_grads.addressable_shards[0].data.shape == (16, 8)
         plain = jax.jit(plain_step).lower(w, plain_opt.init(w), x).compile()
     extra = (
         compiled.memory_analysis().argument_size_in_bytes
@@ -154,7 +154,7 @@ def test_the_stacked_window_of_an_auto_mesh_keeps_the_model_split():
     # The window weight and mini-step counters: a few stacked scalars.
     assert 0 <= extra <= 64
     np.testing.assert_allclose(
-        jax.device_get(state.acc_grads).sum(0),
+        jax.device_get(state.acc_grads).reshape(-1, 16, 32).sum(0),  # its rows
         jax.device_get(jax.grad(_loss)(jnp.ones((16, 32)), jnp.ones((ROWS, 16)))),
         rtol=1e-6,
     )

@@ -33,9 +33,9 @@ import optax
 from gradaccum_jax import _tree
 from gradaccum_jax._accumulation import _inner_step, _skip
 from gradaccum_jax._accumulation._configuration import Configuration
-from gradaccum_jax._accumulation._state import MultiStepsState
+from gradaccum_jax._accumulation._state import MultiStepsState, map_window, stored
 from gradaccum_jax._control import run_if
-from gradaccum_jax._partials import TermsLayout
+from gradaccum_jax._partials import TermsLayout, _rows
 from gradaccum_jax._statistic import WindowPosition, map_window_terms
 
 
@@ -196,16 +196,17 @@ def flush(
     """Closes the partial window now (`MultiSteps.flush`), if it holds any
     micro-batch; its gradient in the params' dtypes, if given."""
     layout = config.layout()
-    state = lift(config, state, layout, params)
+    state = load(config, state, layout, params)
     # Only the dtypes are read: the zeros are dead.
     grads_like = optax.tree.zeros_like(
         jax.eval_shape(config.store.accumulator.total, state.acc_grads)
     )
     if params is not None:
         grads_like = optax.tree.cast_like(grads_like, params)
-    return emit_if(
+    updates, state = emit_if(
         config, state.mini_step > 0, state, grads_like, params, extra_args, layout
     )
+    return updates, stored(config, state, layout)
 
 
 def _plan(config, state, grads_like, params, extra_args, layout) -> _Emission:
@@ -355,9 +356,58 @@ def reduce(
     config: Configuration, state: MultiStepsState, layout: TermsLayout
 ) -> MultiStepsState:
     """``state`` with its window's per-device terms summed (for a checkpoint)."""
+    state = load(config, state, layout)
     if not layout.holds_terms(state.acc_weight, jnp.zeros([])):
         return state
-    return _map_window(config, state, layout.reduce, config.store.reduce, layout)
+    return map_window(config, state, layout.reduce, config.store.reduce, layout)
+
+
+def load(
+    config: Configuration, state: MultiStepsState, layout: TermsLayout, like: Any = None
+) -> MultiStepsState:
+    """``state`` as a step works on it: its window's terms as ``layout``
+    keeps them inside the step (unreduced arrays, say), from the ordinary
+    arrays the state holds between jitted calls (`_state.stored`).
+
+    A window stored on another number of devices (a checkpoint restored on
+    another mesh) is summed whole first, and a whole window
+    (`reduce_window`'s) is lifted: the window goes on exactly.
+    """
+    devices = layout.stored_devices(state.acc_weight)
+    if devices is not None and devices == layout.device_count():
+        _rows.check_placed(_stored_terms(config, state), layout)
+        state = map_window(
+            config,
+            state,
+            lambda terms: jax.tree.map(layout.loaded, terms),
+            config.store.loaded,
+            layout,
+        )
+    elif devices is not None:
+        state = map_window(
+            config,
+            state,
+            lambda terms: jax.tree.map(
+                lambda leaf: layout.rows_total(leaf, devices), terms
+            ),
+            functools.partial(config.store.rows_total, devices=devices),
+            layout,
+        )
+    return lift(config, state, layout, like)
+
+
+def _stored_terms(config: Configuration, state: MultiStepsState) -> dict[str, Any]:
+    """The fields of ``state`` that hold per-device terms, by name."""
+    terms = {
+        "acc_weight": state.acc_weight,
+        "statistics": {
+            name: stat.window_terms(state.statistics[name])
+            for name, stat in config.statistics.items()
+        },
+    }
+    if config.store.keeps_terms:
+        terms["acc_grads"] = state.acc_grads
+    return terms
 
 
 def lift(
@@ -378,25 +428,10 @@ def lift(
     def lift_window(acc, layout):
         return config.store.lift(acc, layout, like)
 
-    return _map_window(
+    return map_window(
         config,
         state,
         lambda tree: jax.tree.map(layout.lift, tree),
         lift_window,
         layout,
-    )
-
-
-def _map_window(
-    config: Configuration,
-    state: MultiStepsState,
-    terms_fn: Callable[[Any], Any],
-    window_fn: Callable[[Any, TermsLayout], Any],
-    layout: TermsLayout,
-) -> MultiStepsState:
-    """``terms_fn`` on the weight and window terms, ``window_fn`` on the window."""
-    return state._replace(
-        acc_grads=window_fn(state.acc_grads, layout),
-        acc_weight=terms_fn(state.acc_weight),
-        statistics=map_window_terms(config.statistics, state.statistics, terms_fn),
     )

@@ -26,6 +26,7 @@ from gradaccum_jax._accumulation._state import (
     check_state,
     initial_state,
     stats_of,
+    stored,
 )
 from gradaccum_jax._accumulation._transformation import AccumulationTransformation
 from gradaccum_jax._statistic import WindowStatistic
@@ -79,8 +80,9 @@ class MultiSteps:
     Data parallelism under jax.jit: with per-device gradients from
     `local_value_and_grad` and ``unreduced_axes``, the window keeps one
     term per device across jitted calls and is reduced once, at the
-    emitting call (see the data-parallel guide); checkpoint
-    ``reduce_window(state)``, which `update` accepts back.
+    emitting call (see the data-parallel guide). The state keeps the terms
+    as ordinary arrays, one block of rows per device; ``reduce_window(state)``
+    gives the window's sum shaped like the params.
     """
 
     def __init__(
@@ -128,8 +130,9 @@ class MultiSteps:
             each device keeps its own window, decoded and reduced when it emits.
           unreduced_axes: mesh axes over which the gradients arrive as
             per-device terms (`local_value_and_grad`): the window is reduced
-            once, at the emitting call. Not with a skip function. orbax cannot
-            save such a window: checkpoint ``reduce_window(state)`` instead.
+            once, at the emitting call. Not with a skip function. Between
+            jitted calls each term is kept as an ordinary array, one block
+            of rows per device: the state is saved as it is (orbax).
           window_reduction: how the per-device terms are summed at the
             emitting call (``unreduced_axes`` only): None for one exact float32
             all-reduce, or e.g. `gradaccum_jax.ternary_window_reduction`.
@@ -216,13 +219,14 @@ class MultiSteps:
                 "window_reduction",
             )
         weight = layout.as_weight(weight, "MultiSteps.update")
-        state = _engine.lift(self._config, state, layout, updates)
+        state = _engine.load(self._config, state, layout, updates)
         state, full = _engine.add_micro_batch(
             self._config, state, updates, weight, params, layout
         )
-        return _engine.emit_if(
+        updates, state = _engine.emit_if(
             self._config, full, state, updates, params, extra_args, layout, updates
         )
+        return updates, stored(self._config, state, layout)
 
     def flush(
         self,
@@ -287,12 +291,12 @@ class MultiSteps:
     def reduce_window(self, state: MultiStepsState) -> MultiStepsState:
         """Returns ``state`` with its window summed over ``unreduced_axes``.
 
-        The window's sum, its weight and the statistics' window terms (a
-        per-device ``window_accumulator``'s windows are plain stacked arrays
-        already). An unreduced array cannot leave the devices: checkpoint
-        ``reduce_window(state)`` (one fused all-reduce; orbax's save of the
-        state raises ``NotImplementedError: device_indices_map doesn't work
-        with unreduced``); `update` accepts it back, split into terms again
+        The window's sum, its weight and the statistics' window terms, each
+        shaped like the params (or a scalar), where the state keeps them as
+        rows, one block per device (a per-device ``window_accumulator``'s
+        windows stay stacked, each device's own). One fused all-reduce.
+        Read the window's sum shaped like the params here, not from the
+        rows; `update` accepts the result back, split into terms again
         without moving data, and the window goes on exactly. Without
         ``unreduced_axes``: ``state`` as is.
         """

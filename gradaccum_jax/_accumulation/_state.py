@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -9,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax import _placement
+from gradaccum_jax import _placement, _tree
 from gradaccum_jax._accumulation import _skip
 from gradaccum_jax._accumulation._configuration import Configuration
-from gradaccum_jax._statistic import reports
+from gradaccum_jax._partials import TermsLayout
+from gradaccum_jax._statistic import map_window_terms, reports
 
 
 class MultiStepsState(NamedTuple):
@@ -108,20 +110,59 @@ def initial_state(config: Configuration, params: optax.Params) -> MultiStepsStat
         acc_weight=layout.zeros(jnp.zeros([], jnp.float32)),
         micro_steps=jnp.zeros([], jnp.int32),
         emitted=jnp.zeros([], jnp.bool_),
-        reduction_state=config.reduction.init_state(params, layout),
+        # Per-device states (a codec's residuals, stacked) are not laid out
+        # like the params: no partitioning metadata of theirs (flax's boxes).
+        reduction_state=_tree.unboxed(config.reduction.init_state(params, layout)),
         window_size=config.window_size.initial(),
         statistics={
             name: stat.init(params, layout) for name, stat in config.statistics.items()
         },
     )
-    return _placement.as_jit_returns(state)
+    return _placement.as_jit_returns(stored(config, state, layout))
+
+
+def stored(
+    config: Configuration, state: MultiStepsState, layout: TermsLayout
+) -> MultiStepsState:
+    """``state`` as it leaves a jitted call: its window's per-device terms
+    as ordinary arrays (`TermsLayout.stored`; no unreduced array crosses a
+    jit boundary). `_engine.load` inverts it."""
+    if not layout.holds_terms(state.acc_weight, jnp.zeros([])):
+        return state
+    return map_window(
+        config,
+        state,
+        lambda terms: jax.tree.map(layout.stored, _tree.unboxed(terms)),
+        lambda acc, layout: config.store.stored(_tree.unboxed(acc), layout),
+        layout,
+    )
+
+
+def map_window(
+    config: Configuration,
+    state: MultiStepsState,
+    terms_fn: Callable[[Any], Any],
+    window_fn: Callable[[Any, TermsLayout], Any],
+    layout: TermsLayout,
+) -> MultiStepsState:
+    """``terms_fn`` on the weight and window terms, ``window_fn`` on the window."""
+    return state._replace(
+        acc_grads=window_fn(state.acc_grads, layout),
+        acc_weight=terms_fn(state.acc_weight),
+        statistics=map_window_terms(config.statistics, state.statistics, terms_fn),
+    )
 
 
 def stats_of(config: Configuration, state: MultiStepsState) -> AccumulationStats:
     """`MultiSteps.stats`: the window's progress and what the statistics
     report (`WindowStatistic.report`), NaN for a field none reports."""
     with _placement.on_mesh_of(state.acc_weight):
-        window_weight = config.layout().total(state.acc_weight, jnp.zeros([]))
+        layout = config.layout()
+        devices = layout.stored_devices(state.acc_weight)
+        if devices is None:
+            window_weight = layout.total(state.acc_weight, jnp.zeros([]))
+        else:
+            window_weight = layout.rows_total(state.acc_weight, devices)
     window_size = config.window_size.current(state.window_size, state.gradient_step)
     reported = reports(config.statistics, state.statistics)
     unknown = sorted(set(reported) - set(REPORTED))

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _placement, _tree
 from gradaccum_jax._partials._layout import TermsLayout
+from gradaccum_jax._partials._rows import term_shape
 
 
 class DeviceTerms(TermsLayout, abc.ABC):
@@ -61,6 +62,23 @@ class DeviceTerms(TermsLayout, abc.ABC):
             return self.from_stacked(rows)
 
         return mapped
+
+    def stored_devices(self, weight: Any) -> int | None:
+        # A stored weight is one row per device: (n,). Inside a step it is
+        # unreduced (a scalar) or stacked (n,), which `load` never sees.
+        return jnp.shape(weight)[0] if jnp.ndim(weight) == 1 else None
+
+    def rows_total(self, stored: jax.Array, devices: int) -> jax.Array:
+        """The sum of the terms `stored` keeps for ``devices`` devices.
+
+        The devices need not be this mesh's: a state saved on another
+        number of devices is summed whole here (its rows gathered first,
+        once, on the call that resumes it).
+        """
+        shape = term_shape(jnp.shape(stored), devices)
+        if AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types:
+            stored = _placement.placed(stored, P())
+        return jnp.sum(jnp.reshape(stored, (devices, *shape)), axis=0)
 
     def row_axes(self) -> str | tuple[str, ...]:
         """The mesh axes the leading axis of stacked terms is split over, in

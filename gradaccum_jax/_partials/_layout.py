@@ -38,6 +38,37 @@ class TermsLayout:
         del like
         return value
 
+    def stored(self, term: Any) -> Any:
+        """A term as a state keeps it between jitted calls: an ordinary
+        array, each device's buffer its own term (`loaded` inverts it)."""
+        return term
+
+    def loaded(self, stored: Any) -> Any:
+        """A term `stored` keeps, as terms again, on this mesh's devices."""
+        return stored
+
+    def device_count(self) -> int:
+        """The number of devices over the layout's axes (1 without terms)."""
+        return 1
+
+    def stored_spec(self, stored: Any) -> Any:
+        """The partition spec a stored term keeps where the types show it
+        (Explicit axes); None where they do not."""
+        del stored
+        return None
+
+    def stored_devices(self, weight: Any) -> int | None:
+        """How many devices' terms a stored window holds, read from its
+        weight; None for a whole window (`reduce_window`'s) or where the
+        state holds the terms themselves."""
+        del weight
+        return None
+
+    def rows_total(self, stored: Any, devices: int) -> Any:
+        """The whole value of a term `stored` keeps for ``devices`` devices
+        (a state saved on another number of devices)."""
+        raise NotImplementedError(f"{self!r} stores no rows of terms.")
+
     def holds_terms(self, leaf: Any, like: Any) -> bool:
         """Whether ``leaf`` holds terms of a value shaped like ``like``."""
         del leaf, like
@@ -61,6 +92,14 @@ class TermsLayout:
     def as_weight(self, weight: Any, caller: str) -> jax.Array:
         """A micro-batch's ``weight=`` validated: a float32 scalar (1 if None),
         or per-device terms as the layout keeps them."""
+        if weight is not None and jnp.ndim(weight) == 1 and not self.axes:
+            raise ValueError(
+                f"{caller}: `weight` of shape {jnp.shape(weight)}: weights of "
+                "one row per device (local_value_and_grad's) need an "
+                "accumulator built with unreduced_axes over that mesh axis; "
+                "else pass a scalar (the number of examples or tokens behind "
+                "this gradient)."
+            )
         return _weights.scalar_weight(weight, caller)
 
     def as_terms(self, value: jax.Array, like: Any) -> jax.Array:

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _placement, _tree
 from gradaccum_jax._partials._device_terms import DeviceTerms, _unstack
+from gradaccum_jax._partials._rows import stacks, stored_shape, term_shape
 
 
 class Stacked(DeviceTerms):
@@ -70,6 +71,24 @@ class Stacked(DeviceTerms):
             for entry in _term_partitions(like, self.axis)
         ]
         return P(self.axis, *rest)
+
+    def stored(self, term: jax.Array) -> jax.Array:
+        """Stacked terms ``(n, a, ...)`` as rows ``(n * a, ...)``: a reshape
+        of the leading dimensions, each device's block its own term (a
+        scalar's or a leading dimension of 1's terms stay stacked)."""
+        shape = jnp.shape(term)[1:]
+        if stacks(shape):
+            return term
+        return jnp.reshape(term, stored_shape(shape, self.size))
+
+    def loaded(self, stored: jax.Array) -> jax.Array:
+        shape = term_shape(jnp.shape(stored), self.size)
+        terms = stored if stacks(shape) else jnp.reshape(stored, (self.size, *shape))
+        if _placement.is_explicit(self.axis):  # one device
+            return _placement.placed(terms, P(self.axis))
+        return jax.lax.with_sharding_constraint(
+            terms, P(self.axis, *(P.UNCONSTRAINED,) * len(shape))
+        )
 
     def reduce(self, tree: Any) -> Any:
         # XLA's all-reduce combiner fuses the leaves' sums into one.

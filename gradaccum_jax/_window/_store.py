@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from gradaccum_jax import _checks
 from gradaccum_jax._partials import TermsLayout
@@ -42,7 +43,11 @@ class WindowStore:
 
     Attributes:
       accumulator: the `WindowAccumulator` that adds to the window.
+      keeps_terms: whether the window's leaves are per-device terms of the
+        layout (else each device's own window, or whole values).
     """
+
+    keeps_terms = False
 
     def __init__(self, accumulator: WindowAccumulator):
         self.accumulator = accumulator
@@ -63,9 +68,23 @@ class WindowStore:
         """The window summed over devices (for `reduce_window`)."""
         raise NotImplementedError
 
+    def stored(self, acc: Any, layout: TermsLayout) -> Any:
+        """The window as the state keeps it between jitted calls."""
+        raise NotImplementedError
+
+    def loaded(self, acc: Any, layout: TermsLayout) -> Any:
+        """A window `stored` keeps, as the step works on it."""
+        raise NotImplementedError
+
+    def rows_total(self, acc: Any, layout: TermsLayout, devices: int) -> Any:
+        """A stored window of ``devices`` devices (another mesh's), whole."""
+        raise NotImplementedError
+
 
 class SharedWindow(WindowStore):
     """A window whose leaves the reduction sums and the updates may reuse."""
+
+    keeps_terms = True
 
     def reduction_terms(self, whole: Whole, rest: list[Any]) -> Any:
         """The leaves holding no update.
@@ -92,6 +111,23 @@ class SharedWindow(WindowStore):
     def reduce(self, acc: Any, layout: TermsLayout) -> Any:
         return layout.reduce(acc)
 
+    def stored(self, acc: Any, layout: TermsLayout) -> Any:
+        return jax.tree.map(layout.stored, acc)
+
+    def loaded(self, acc: Any, layout: TermsLayout) -> Any:
+        return jax.tree.map(layout.loaded, acc)
+
+    def rows_total(self, acc: Any, layout: TermsLayout, devices: int) -> Any:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(acc):
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
+                raise ValueError(
+                    f"state.acc_grads{jax.tree_util.keystr(path)} (shape "
+                    f"{jnp.shape(leaf)}) is not the rows of {devices} devices "
+                    "that the state's acc_weight says it holds: pass the "
+                    "state `init` or `update` returned (or `reduce_window`'s)."
+                )
+        return jax.tree.map(lambda leaf: layout.rows_total(leaf, devices), acc)
+
 
 class DecodedWindow(WindowStore):
     """A per-device window, decoded on each device before the reduction."""
@@ -113,6 +149,27 @@ class DecodedWindow(WindowStore):
     def reduce(self, acc: Any, layout: TermsLayout) -> Any:
         del layout
         return acc
+
+    # Per-device windows are plain stacked arrays across calls too.
+
+    def stored(self, acc: Any, layout: TermsLayout) -> Any:
+        del layout
+        return acc
+
+    def loaded(self, acc: Any, layout: TermsLayout) -> Any:
+        del layout
+        return acc
+
+    def rows_total(self, acc: Any, layout: TermsLayout, devices: int) -> Any:
+        path, _ = jax.tree_util.tree_leaves_with_path(acc)[0]
+        raise ValueError(
+            f"state.acc_grads{jax.tree_util.keystr(path)} holds the windows of "
+            f"{devices} devices, each device's own (a per-device "
+            "`window_accumulator`, as ternary_accumulate's), which cannot be "
+            f"summed on the {layout.device_count()} devices of mesh axes "
+            f"{sorted(layout.axes)}: restore the state on a mesh with "
+            f"{devices} devices there."
+        )
 
 
 def window_store(
