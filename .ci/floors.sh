@@ -16,6 +16,7 @@ NOT_CORE=(
   tests/test_demo.py          # the demo's scikit-learn
   tests/test_docs.py          # sphinx, myst-nb
   tests/test_examples.py      # flax, equinox
+  tests/test_flax_program.py  # flax
   tests/test_notebooks.py     # nbclient, ipykernel, matplotlib
   tests/test_optax_compat.py  # optax's own test modules import flax
   tests/test_packaging.py     # build, twine

@@ -73,6 +73,9 @@ from gradaccum_jax._diloco import (
 # --- micro-batching inside one step ---
 from gradaccum_jax._microbatching import microbatched_value_and_grad
 
+# Declared shardings: the state's, from the params'.
+from gradaccum_jax._shardings import state_shardings
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -100,6 +103,7 @@ __all__ = [
     "skip_large_updates",
     "skip_not_finite",
     "stack_workers",
+    "state_shardings",
     "ternarize",
     "ternary_accumulate",
     "ternary_average_across_devices",

@@ -5,7 +5,9 @@ formula: `state_nbytes` sums the arrays a state holds; `all_reduces`,
 `all_reduce_nbytes` and `collectives` read the collectives of a compiled
 program's HLO (``jax.jit(f).lower(...).compile()``), with their bytes, their
 device groups and mesh axes, and whether they run on every call or inside a
-loop.
+loop. `step_traffic` is the one check of a step that should communicate once
+per window: what crosses each mesh axis per call and per window, and every
+gather.
 """
 
 from gradaccum_jax._collectives import Collective, collectives
@@ -15,6 +17,7 @@ from gradaccum_jax._measure import (
     all_reduces,
     state_nbytes,
 )
+from gradaccum_jax._traffic import StepTraffic, step_traffic
 
 __all__ = [
     "AllReduce",
@@ -23,4 +26,6 @@ __all__ = [
     "all_reduces",
     "collectives",
     "state_nbytes",
+    "step_traffic",
+    "StepTraffic",
 ]

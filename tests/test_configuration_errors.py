@@ -70,6 +70,8 @@ NOT_CONSTRUCTORS = {
     "measure.all_reduce_nbytes",
     "measure.all_reduces",
     "measure.collectives",
+    "measure.step_traffic",  # its bad arguments: test below
+    "state_shardings",  # its bad arguments: test below
     "stack_workers",
     "anchor_params",
     # optax's own functions, re-exported with optax's signatures.
@@ -248,6 +250,7 @@ TABLE: list[Row] = [
     ),
     Row("microbatched_value_and_grad", "has_aux", ("False", None), BOOL),
     Row("local_value_and_grad", "has_weight", ("False", None), BOOL),
+    Row("local_value_and_grad", "has_aux", ("True", 1), BOOL),
     # Callables.
     *_rows_for(
         ACCUMULATORS,
@@ -488,6 +491,16 @@ def test_table_covers_every_argument_of_every_constructor():
             if (name, parameter) not in covered:
                 missing.append(f"{name}({parameter}=...)")
     assert not missing, f"no bad-value row for {missing}"
+
+
+def test_the_readers_of_shardings_and_traffic_name_their_bad_arguments():
+    tx = ga.MultiSteps(optax.sgd(0.1), 2)
+    with pytest.raises(ValueError, match=r"state_shardings: `mesh` must be a jax"):
+        ga.state_shardings(tx, {"w": np.zeros(2)}, mesh="data")
+    with pytest.raises(ValueError, match=r"state_shardings: `mesh` .* jax.set_mesh"):
+        ga.state_shardings(tx, {"w": np.zeros(2)})  # no mesh set
+    with pytest.raises(ValueError, match=r"`summed_axes` must be a " + MESH_AXES):
+        ga.measure.step_traffic(None, None, summed_axes="")
 
 
 @pytest.mark.parametrize("name", ["MultiSteps", "accumulate", "ternary_accumulate"])

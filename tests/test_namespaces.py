@@ -50,6 +50,7 @@ TOP_LEVEL = [
     "skip_large_updates",
     "skip_not_finite",
     "stack_workers",
+    "state_shardings",
     "ternarize",
     "ternary_accumulate",
     "ternary_average_across_devices",
@@ -79,16 +80,18 @@ SUBMODULES = {
     "measure": [
         "AllReduce",
         "Collective",
+        "StepTraffic",
         "all_reduce_nbytes",
         "all_reduces",
         "collectives",
         "state_nbytes",
+        "step_traffic",
     ],
 }
 
 
 def test_the_top_level_exports_what_a_user_trains_with():
-    assert len(TOP_LEVEL) == 32
+    assert len(TOP_LEVEL) == 33
     assert sorted(gradaccum_jax.__all__) == TOP_LEVEL
 
 
