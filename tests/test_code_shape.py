@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import textwrap
 
 import pytest
@@ -267,3 +268,42 @@ def test_the_checker_catches_an_import_cycle(tmp_path):
     # Breaking one edge breaks the cycle.
     _write(tmp_path, "pkg/_sub/_c.py", "c = 1\n")
     assert import_cycles(import_graph(tmp_path / "pkg")) == []
+
+
+# Jaxpr equation parameters a JAX release renamed: a test reading one by its
+# old name fails on the new release (0.11 replaced the scan's num_consts and
+# num_carry with the flat trees ft_in and ft_out). Read them through
+# `helpers.scan_carries`, which knows both.
+RENAMED_JAXPR_PARAMS = ("num_consts", "num_carry")
+
+
+def renamed_param_reads(root: pathlib.Path) -> list[str]:
+    """``file:line`` of every read of a renamed jaxpr parameter under
+    ``root``'s package, tests and benchmarks, but for the one reader (and
+    this checker's own test of itself)."""
+    found = []
+    for folder in (PACKAGE, "tests", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if folder == "tests" and path.name in (
+                "helpers.py",
+                pathlib.Path(__file__).name,
+            ):
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if any(
+                    re.search(rf"""(\[|\.get\()\s*["']{name}["']""", line)
+                    for name in RENAMED_JAXPR_PARAMS
+                ):
+                    found.append(f"{path.relative_to(root)}:{number}")
+    return found
+
+
+def test_nothing_reads_a_renamed_jaxpr_parameter_but_the_helper():
+    assert renamed_param_reads(PACKAGE_DIR.parent) == []
+
+
+def test_the_renamed_parameter_check_sees_a_read(tmp_path):
+    _write(tmp_path, f"{PACKAGE}/__init__.py", "")
+    _write(tmp_path, "tests/test_x.py", 'start = eqn.params["num_consts"]\n')
+    _write(tmp_path, "benchmarks/b.py", "")
+    assert renamed_param_reads(tmp_path) == ["tests/test_x.py:1"]

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax
 from gradaccum_jax import microbatched_value_and_grad
-from helpers import EAGER_AND_JIT
+from helpers import EAGER_AND_JIT, scan_carries
 
 BATCH, IN_DIM, CLASSES = 16, 5, 3
 
@@ -339,9 +339,7 @@ def scan_carry_dtypes(fn, *args):
     """The dtypes of the scan carry (the accumulators) in ``fn``'s jaxpr."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     (scan,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
-    start = scan.params["num_consts"]
-    carry = scan.invars[start : start + scan.params["num_carry"]]
-    return {var.aval.dtype for var in carry}
+    return {var.aval.dtype for var in scan_carries(scan)}
 
 
 class TestDtypes:

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from gradaccum_jax import microbatched_value_and_grad
 from gradaccum_jax._tree import reduce_unreduced
 from gradaccum_jax.measure import all_reduce_nbytes, collectives
+from helpers import scan_carries
 
 BATCH, IN_DIM, OUT_DIM, NUM_MICROBATCHES = 32, 8, 4, 2
 
@@ -71,9 +72,7 @@ def scan_carry_dtypes(jaxpr):
     found = set()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
-            start = eqn.params["num_consts"]
-            carry = eqn.invars[start : start + eqn.params["num_carry"]]
-            found |= {var.aval.dtype for var in carry}
+            found |= {var.aval.dtype for var in scan_carries(eqn)}
         for value in eqn.params.values():
             if isinstance(value, jax.extend.core.ClosedJaxpr):
                 value = value.jaxpr
