@@ -304,3 +304,46 @@ def test_reference_configuration_on_64_devices(tmp_path):
         ), path
     assert results[plain]["micro_step"].get("all-gather", 0) == 0
     assert results[plain]["temp_bytes"] < results[reference]["temp_bytes"]
+
+
+# --- step_traffic: every call, once per window ------------------------------
+
+
+def _window_step(mesh, local: bool):
+    """A k = 4 MultiSteps micro-step on ``mesh``, compiled: its gradient
+    from `local_value_and_grad` (terms, ``unreduced_axes="data"``) or from
+    ``jax.grad`` of the batch mean (all-reduced by XLA)."""
+    import optax  # noqa: PLC0415
+
+    import gradaccum_jax as ga  # noqa: PLC0415
+
+    def loss(w, x):
+        return jnp.mean((x @ w) ** 2)
+
+    with jax.set_mesh(mesh):
+        opt = ga.MultiSteps(optax.sgd(0.1), 4, unreduced_axes="data" if local else ())
+        grad_fn = ga.local_value_and_grad(loss, "data") if local else None
+
+        def step(w, state, x):
+            grads = grad_fn(w, x)[1] if local else jax.grad(loss)(w, x)
+            updates, state = opt.update(grads, state, w)
+            return optax.apply_updates(w, updates), state
+
+        w = jnp.zeros((16, 8))
+        x = jax.device_put(jnp.ones((32, 16)), P("data"))
+        return jax.jit(step).lower(w, jax.jit(opt.init)(w), x).compile()
+
+
+def test_step_traffic_tells_once_per_window_from_every_micro_step(mesh):
+    from gradaccum_jax.measure import step_traffic  # noqa: PLC0415
+
+    once = step_traffic(_window_step(mesh, local=True), mesh, "data")
+    assert once.once_per_window
+    assert once.every_call == {} and once.gathers == ()
+    assert once.per_window == {("data",): 16 * 8 * 4 + 4}  # the window, its weight
+    every = step_traffic(_window_step(mesh, local=False), mesh, "data")
+    assert not every.once_per_window
+    assert [c.kind for c in every.every_call_over_summed] == ["all-reduce"]
+    assert every.every_call == {("data",): 16 * 8 * 4}
+    # The same program read for a summed axis it does not cross.
+    assert step_traffic(_window_step(mesh, local=False), mesh, "model").once_per_window
