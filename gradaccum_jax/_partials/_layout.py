@@ -94,11 +94,11 @@ class TermsLayout:
         or per-device terms as the layout keeps them."""
         if weight is not None and jnp.ndim(weight) == 1 and not self.axes:
             raise ValueError(
-                f"{caller}: `weight` of shape {jnp.shape(weight)}: weights of "
-                "one row per device (local_value_and_grad's) need an "
-                "accumulator built with unreduced_axes over that mesh axis; "
-                "else pass a scalar (the number of examples or tokens behind "
-                "this gradient)."
+                f"{caller}: `weight` must be a scalar (the number of examples "
+                f"or tokens behind this gradient), got shape "
+                f"{jnp.shape(weight)}; weights of one row per device "
+                "(local_value_and_grad's) need an accumulator built with "
+                "unreduced_axes over that mesh axis."
             )
         return _weights.scalar_weight(weight, caller)
 
