@@ -14,7 +14,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gradaccum_jax._measure import _HLO_COMPUTATION, _HLO_SHAPE, _shapes_nbytes
+_HLO_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e8m0fnu": 1,
+}  # fmt: skip
+_HLO_SHAPE = re.compile(r"\b([a-z][a-z\d]*)\[([\d,]*)\]")
+_HLO_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 COLLECTIVE_KINDS = (
     "all-reduce",
@@ -38,9 +45,8 @@ class Collective(NamedTuple):
       nbytes: bytes of its result buffers, on one device.
       operand_nbytes: bytes of its operand buffers, on one device. The two
         differ by the group size for an all-gather (result larger) and a
-        reduce-scatter (operand larger); a ring moves about
-        ``2 (n - 1) / n * nbytes`` per device for an all-reduce over ``n``
-        devices and ``(n - 1) / n`` of the larger buffer for the others.
+        reduce-scatter (operand larger); `received_nbytes` is what a ring
+        moves to each device.
       groups: the device groups that take part, as logical device ids (the
         positions in ``mesh.devices.flat``); for a collective-permute, the
         sets of devices its source-target pairs connect.
@@ -69,6 +75,30 @@ class Collective(NamedTuple):
     axes: tuple[str, ...] | None
     place: str
     trips: tuple[int | None, ...]
+
+    @property
+    def received_nbytes(self) -> float:
+        """The bytes one device receives, by the ring estimate, per run.
+
+        Over a group of ``n`` devices a ring all-reduce receives
+        ``2 (n - 1) / n`` of its buffer on each device (a reduce-scatter,
+        then an all-gather), an all-gather ``(n - 1) / n`` of its result,
+        a reduce-scatter ``(n - 1) / n`` of its operand, an all-to-all
+        ``(n - 1) / n`` of its buffer; a collective-permute receives its
+        whole buffer. The one formula of what crosses the links, for
+        comparing programs: XLA's real algorithms may differ.
+        """
+        n = self.group_size
+        if n < 2:
+            return 0.0
+        share = (n - 1) / n
+        if self.kind == "all-reduce":
+            return 2 * share * self.nbytes
+        if self.kind == "reduce-scatter":
+            return share * self.operand_nbytes
+        if self.kind == "collective-permute":
+            return float(self.nbytes)
+        return share * self.nbytes  # all-gather (its result), all-to-all
 
 
 _HLO_INSTRUCTION = re.compile(
@@ -378,3 +408,18 @@ def _mesh_axes(
         return None
     (varying,) = spans
     return tuple(mesh.axis_names[axis] for axis in varying)
+
+
+def _shapes_nbytes(shapes: list[tuple[str, str]], where: str) -> int:
+    total = 0
+    for dtype, dims in shapes:
+        if dtype not in _HLO_DTYPE_BYTES:
+            raise ValueError(
+                f"unknown HLO element type {dtype!r} in {where!r}: the byte "
+                f"counts know {sorted(_HLO_DTYPE_BYTES)}."
+            )
+        total += (
+            int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+            * (_HLO_DTYPE_BYTES[dtype])
+        )
+    return total

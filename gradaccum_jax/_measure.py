@@ -1,16 +1,18 @@
-"""Measured bytes: what a state holds, what a compiled program communicates.
+"""Measured bytes: what a state holds, what a compiled program all-reduces.
 
 Memory and communication claims are checked on real objects: the arrays of
-a state, the collectives of compiled HLO, never a formula.
+a state, the collectives of compiled HLO, never a formula. The all-reduces
+are a view of `gradaccum_jax.measure.collectives`, the one reader of HLO.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+
+from gradaccum_jax._collectives import collectives
 
 
 def state_nbytes(tree: Any) -> int:
@@ -54,26 +56,6 @@ def state_nbytes(tree: Any) -> int:
     return sum(leaf_nbytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
-_HLO_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1,
-    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e8m0fnu": 1,
-}  # fmt: skip
-_HLO_ALL_REDUCE = re.compile(r"=\s*(\(.*?\)|\S+)\s+all-reduce(?:-start)?\(")
-_HLO_SHAPE = re.compile(r"\b([a-z][a-z\d]*)\[([\d,]*)\]")
-# Replica groups of one device each, listed ({{0}}, {{0},{1}}) or as an
-# iota ([4,1]<=[4]): such an all-reduce moves no byte between devices.
-_HLO_SINGLE_DEVICE_GROUPS = re.compile(
-    r"replica_groups=(?:\{\{\d+\}(?:,\{\d+\})*\}|\[\d+,1\]<=)"
-)
-
-
-def _moves_data(instruction: str) -> bool:
-    """Whether an all-reduce instruction's groups hold two or more devices."""
-    return not _HLO_SINGLE_DEVICE_GROUPS.search(instruction)
-
-
 def all_reduce_nbytes(compiled: Any) -> int:
     """Returns the bytes reduced by all all-reduce ops of compiled HLO.
 
@@ -112,8 +94,8 @@ class AllReduce(NamedTuple):
       operands: how many buffers it reduces (> 1 for a fused tuple one).
       place: ``"entry"`` (runs on every call), ``"while-body"`` (runs once
         per trip of a loop, e.g. the accumulators' emission, a loop of zero
-        or one trip: once per emitted window) or ``"other"`` (a called
-        computation, e.g. a cond branch).
+        or one trip: once per emitted window) or ``"other"`` (a
+        conditional's branch); `collectives`' ``place`` renamed.
     """
 
     nbytes: int
@@ -121,8 +103,8 @@ class AllReduce(NamedTuple):
     place: str
 
 
-_HLO_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_HLO_WHILE_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+# `collectives`' places, as `AllReduce` names them.
+_PLACES = {"entry": "entry", "loop": "while-body", "branch": "other"}
 
 
 def all_reduces(compiled: Any) -> list[AllReduce]:
@@ -149,41 +131,8 @@ def all_reduces(compiled: Any) -> list[AllReduce]:
       whose replica groups are single devices (a one-device mesh axis)
       move nothing and are left out.
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
-    bodies = set(_HLO_WHILE_BODY.findall(text))
-    found = []  # (computation, is_entry, nbytes, operands)
-    computation, is_entry = None, False
-    for line in text.splitlines():
-        header = _HLO_COMPUTATION.match(line)
-        if header and not line.startswith(" "):
-            computation, is_entry = header.group(2), bool(header.group(1))
-            continue
-        match = _HLO_ALL_REDUCE.search(line)
-        if match and _moves_data(line):
-            shapes = _HLO_SHAPE.findall(match.group(1))
-            found.append(
-                (computation, is_entry, _shapes_nbytes(shapes, line), len(shapes))
-            )
     return [
-        AllReduce(
-            nbytes,
-            operands,
-            "entry" if is_entry else "while-body" if name in bodies else "other",
-        )
-        for name, is_entry, nbytes, operands in found
+        AllReduce(op.nbytes, len(op.shapes), _PLACES[op.place])
+        for op in collectives(compiled)
+        if op.kind == "all-reduce"
     ]
-
-
-def _shapes_nbytes(shapes: list[tuple[str, str]], where: str) -> int:
-    total = 0
-    for dtype, dims in shapes:
-        if dtype not in _HLO_DTYPE_BYTES:
-            raise ValueError(
-                f"unknown HLO element type {dtype!r} in {where!r}: the byte "
-                f"counts know {sorted(_HLO_DTYPE_BYTES)}."
-            )
-        total += (
-            int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-            * (_HLO_DTYPE_BYTES[dtype])
-        )
-    return total

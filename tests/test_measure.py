@@ -80,6 +80,18 @@ def test_each_kind_with_its_bytes_groups_and_axes(mesh):
     assert figures["collective-permute('data',)"] == (256, 256, DATA_GROUPS, 2)
     assert figures["all-reduce('data', 'model')"] == (64, 64, (tuple(range(8)),), 8)
     assert found["all-reduce('data', 'model')"].shapes == ("s8[8,8]",)
+    # What a ring moves to each device, per kind: an all-reduce twice its
+    # (n - 1) / n, an all-gather (n - 1) / n of its result, a reduce-scatter
+    # of its operand, an all-to-all of its buffer, a permute all of it.
+    received = {key: c.received_nbytes for key, c in found.items()}
+    assert received == {
+        "all-reduce('data',)": 256.0,
+        "all-gather('model',)": 768.0,
+        "reduce-scatter('model',)": 192.0,
+        "all-to-all('model',)": 192.0,
+        "collective-permute('data',)": 256.0,
+        "all-reduce('data', 'model')": 112.0,
+    }
     assert found["all-gather('model',)"].shapes == ("f32[32,8]",)
     assert {(c.place, c.trips) for c in found.values()} == {("entry", ())}
 
