@@ -307,3 +307,17 @@ def test_the_renamed_parameter_check_sees_a_read(tmp_path):
     _write(tmp_path, "tests/test_x.py", 'start = eqn.params["num_consts"]\n')
     _write(tmp_path, "benchmarks/b.py", "")
     assert renamed_param_reads(tmp_path) == ["tests/test_x.py:1"]
+
+
+def test_no_context_variable_or_thread_local_chooses_behaviour():
+    """What a function does is decided by its arguments: a context
+    variable or thread-local set by one caller and read deep in another
+    module is invisible to a user's own part (diloco's leaf layouts reach a
+    reduction as an ``update`` extra argument)."""
+    found = [
+        f"{path.relative_to(PACKAGE_DIR.parent)}:{number}"
+        for path in sorted(PACKAGE_DIR.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bcontextvars\b|\bContextVar\b|threading\.local\b", line)
+    ]
+    assert found == []

@@ -1149,6 +1149,40 @@ def test_keep_unsent_on_tensor_parallel_leaves_adds_a_scalar_and_a_buffer(axis_t
 
 
 @functools.cache
+def test_an_outer_reduction_of_your_own_receives_the_leaf_layouts():
+    """diloco tells its outer_reduction where each leaf lies over the axes
+    its workers' map makes Auto, as an extra argument of ``update``
+    (``leaf_layouts=``, as optax passes extras), not through module state:
+    a reduction of the user's own, wrapping a codec's, gets them and hands
+    them on, and its step is the built-in one's (each device codes its own
+    block: nothing gathered over ``model``)."""
+    told = []
+    inner = ga.compressed_average_across_devices("data", ga.codecs.quantized(bits=8))
+
+    def update(updates, state, params=None, **extra):
+        told.append(extra.get("leaf_layouts"))
+        return inner.update(updates, state, params, **extra)
+
+    own = optax.GradientTransformationExtraArgs(inner.init, update)
+    mesh = _tp_mesh()
+    compiled, _ = _codec_diloco_step(own, mesh)
+    builtin, _ = _codec_diloco_step(inner, mesh)
+    # One entry per leaf in the order the updates flatten (bias, layers,
+    # w1, w2), then the presence scalar diloco adds: whole.
+    assert told[-1] == [
+        ("model",),
+        (None, None, "model"),
+        (None, "model"),
+        ("model", None),
+        (),
+    ]
+    collectives = ga.measure.collectives
+    assert [(c.kind, c.axes, c.nbytes) for c in collectives(compiled, mesh)] == [
+        (c.kind, c.axes, c.nbytes) for c in collectives(builtin, mesh)
+    ]
+    assert not [c for c in collectives(compiled, mesh) if c.kind == "all-gather"]
+
+
 def _tp_mesh(axis_type=AxisType.Explicit):
     return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
 

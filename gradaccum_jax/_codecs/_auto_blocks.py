@@ -6,7 +6,7 @@ workers, which makes every Explicit axis Auto), the codec would see whole
 leaves and reshape them (packing codes into words, cutting blocks of a
 quantized leaf, a matrix view for PowerSGD): XLA then moves the codes
 between devices to lay each reshape out, a gather over ``model`` of a
-tensor-parallel leaf's codes. Told the split (`leaf_layouts`), the leaves
+tensor-parallel leaf's codes. Told the split (`layouts_of`), the leaves
 are viewed device-major, ``(m, *block)``, a local relabeling, and the
 codec runs on each block in a ``jax.vmap`` over that axis, its mapped
 axis sharded over the mesh axis (``spmd_axis_name``), named as the mesh
@@ -16,19 +16,18 @@ manual over it (`_mean`), and nothing is gathered. A ``shard_map`` cannot
 be used there: inside ``diloco``'s ``vmap`` over the workers, jax 0.10.2
 mis-lowers a ``shard_map`` that is not manual over the vmapped axis.
 
-Two callers say the split: one that read it from Explicit types before
-making the axes Auto (`leaf_layouts`, around the reduction), and the
-codec's own state, where ``init`` kept how it saw placed params split
+Two say the split: a caller that read it from Explicit types before
+making the axes Auto (``diloco``, which passes it to its
+``outer_reduction``'s ``update`` as the extra argument ``leaf_layouts``, as
+optax passes extras, so a reduction of the user's own gets it too), and
+the codec's own state, where ``init`` kept how it saw placed params split
 over Auto axes (`_blocks.AutoSplits`, `seen_splits`): on an Auto mesh
 nothing else can, since under ``jax.jit`` the compiler chooses the split.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -40,29 +39,6 @@ from jax.sharding import PartitionSpec as P
 from gradaccum_jax import _placement
 from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, checked_sum
 from gradaccum_jax._ternary import _blocks
-
-# Per leaf of the next reduction's updates, how it is split over Auto mesh
-# axes (`_blocks.Split`); None: not known. Trace-time only (static specs).
-_LAYOUTS: contextvars.ContextVar[tuple[_blocks.Split, ...] | None] = (
-    contextvars.ContextVar("gradaccum_jax_leaf_layouts", default=None)
-)
-
-
-@contextlib.contextmanager
-def leaf_layouts(layouts: list[_blocks.Split]) -> Iterator[None]:
-    """Within: a codec reduction whose updates have ``len(layouts)`` leaves
-    reads each leaf's split over Auto mesh axes from ``layouts``.
-
-    The caller that knows where the leaves lie (``diloco``'s stacked
-    workers, which read it from the params' Explicit types before making
-    the axes Auto) sets it around a user's ``outer_reduction``, which takes
-    only the updates.
-    """
-    token = _LAYOUTS.set(tuple(layouts))
-    try:
-        yield
-    finally:
-        _LAYOUTS.reset(token)
 
 
 def seen_splits(leaves: list[Any]) -> _blocks.AutoSplits:
@@ -93,9 +69,15 @@ def _auto_split(leaf: Any) -> _blocks.Split:
     return split if _blocks.axes_of(split) else _blocks.WHOLE
 
 
-def layouts_of(leaves: list[Any], seen: _blocks.AutoSplits) -> list[_blocks.Split]:
-    """Each leaf's split over Auto mesh axes, as `leaf_layouts` says, else
-    as ``init`` saw the params (``seen``, the state's `_blocks.AutoSplits`).
+def layouts_of(
+    leaves: list[Any],
+    seen: _blocks.AutoSplits,
+    told: list[_blocks.Split] | None = None,
+) -> list[_blocks.Split]:
+    """Each leaf's split over Auto mesh axes, as the caller says (``told``:
+    the ``leaf_layouts`` extra argument of a codec reduction's ``update``),
+    else as ``init`` saw the params (``seen``, the state's
+    `_blocks.AutoSplits`).
 
     ``()`` (whole) for every leaf when neither says it for this many leaves
     (another reduction's updates), and for a leaf the split does not fit:
@@ -103,7 +85,7 @@ def layouts_of(leaves: list[Any], seen: _blocks.AutoSplits) -> list[_blocks.Spli
     Auto or of a dimension it does not divide. ``leaves`` may go on past
     the params' (a reduction's own extra leaves: whole).
     """
-    layouts = _LAYOUTS.get()
+    layouts = None if told is None else tuple(told)
     if layouts is None or len(layouts) != len(leaves):
         if not seen.splits or len(seen.splits) > len(leaves):
             return [_blocks.WHOLE] * len(leaves)

@@ -84,7 +84,9 @@ def compressed_average_across_devices(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       `gradaccum_jax.extend.CodecState` (its residual per device) and whose
-      update accepts an optional scalar ``weight=``.
+      update accepts an optional scalar ``weight=`` and ``leaf_layouts=``
+      (each leaf's split over Auto mesh axes, as `diloco` passes it: each
+      device then codes its own block).
     """
     axis = _checks.axis_name("axis_name", axis_name)
     codec = codec_argument(codec)
@@ -103,14 +105,24 @@ def average_transformation(
         real_leaves(params, f"{config.caller}: params", _coder(config))
         return _mean.state_init(config, params, seed)
 
-    def update_fn(updates, state: CodecState, params=None, *, weight=None, **extra):
+    def update_fn(
+        updates,
+        state: CodecState,
+        params=None,
+        *,
+        weight=None,
+        leaf_layouts=None,
+        **extra,
+    ):
         del params, extra
         check_updates(updates, state.residual, config.caller, coder=_coder(config))
         _mean.check_grown(updates, state.residual, config)
         _mean.check_codec_state(
             config, [np.shape(x) for x in jax.tree.leaves(updates)], state.codec
         )
-        means, state, _ = _mean.reduce_with_codec(config, updates, state, weight)
+        means, state, _ = _mean.reduce_with_codec(
+            config, updates, state, weight, layouts=leaf_layouts
+        )
         return means, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

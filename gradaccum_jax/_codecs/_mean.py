@@ -169,11 +169,14 @@ def reduce_with_codec(
     state: CodecState,
     weight: Any,
     splits: list[_blocks.Split] | None = None,
+    layouts: list[_blocks.Split] | None = None,
 ) -> tuple[Any, CodecState, jax.Array]:
     """The mean (or sum) of ``updates`` over the devices, the new state, and
     what the codes add to its squared norm (0 unless asked and known).
 
-    ``splits`` as in `Wire.splits`, for every leaf (None: all whole).
+    ``splits`` as in `Wire.splits`, for every leaf (None: all whole);
+    ``layouts``, each leaf's split over Auto mesh axes where the caller
+    knows it (`_auto_blocks.layouts_of`).
     """
     num_devices = _checks.bound_axis_size(config.axis, config.caller)
     leaves, treedef = jax.tree.flatten(updates)
@@ -204,7 +207,7 @@ def reduce_with_codec(
         config.error_feedback,
         config.report_sq_excess,
     )
-    layouts = _auto_blocks.layouts_of(leaves, state.auto_splits)
+    layouts = _auto_blocks.layouts_of(leaves, state.auto_splits, layouts)
     coded_sum = _sum_on_blocks(
         config.codec,
         inputs,

@@ -7,7 +7,6 @@ updated in place and a step that does not sync moves nothing.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -15,7 +14,6 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _weights
-from gradaccum_jax._codecs._auto_blocks import leaf_layouts
 from gradaccum_jax._codecs._mean import take_residual
 from gradaccum_jax._codecs._protocol import with_own_streams
 
@@ -87,15 +85,13 @@ def sync_fragment(carry: SyncCarry, params: list[Any], config: SyncConfig) -> Sy
         # the same reduction says whether the anchor moves (no second
         # collective for the total).
         presence = jnp.ones([], jnp.float32)
-        said = (
-            contextlib.nullcontext()
-            if config.layouts is None
-            else leaf_layouts([*config.layouts, ()])
+        # Where the leaves lie over Auto axes (read from the params'
+        # Explicit types before the axes were made Auto), passed as optax
+        # passes extra arguments: a codec codes each device's block.
+        told = {} if config.layouts is None else {"leaf_layouts": [*config.layouts, ()]}
+        means, reduction_state = config.reduction.update(
+            [*outer_grads, presence], reduction_state, weight=weight, **told
         )
-        with said:
-            means, reduction_state = config.reduction.update(
-                [*outer_grads, presence], reduction_state, weight=weight
-            )
         *outer_grads, presence = means
         moved = presence != 0
     anchor = [wide(a) for a in carry.anchor]

@@ -82,7 +82,12 @@ def diloco(
       axis_name: the workers' axis (bound, or of the mesh); None: one worker.
       outer_reduction: None (weighted float32 mean) or a transformation
         averaging over ``axis_name``, e.g. ``ternary_average_across_devices(
-        axis_name, seed=0)`` (its residual kept per worker).
+        axis_name, seed=0)`` (its residual kept per worker). Its ``update``
+        gets the extra arguments ``weight=`` (the worker's cycle weight)
+        and, on stacked workers under ``jax.jit``, ``leaf_layouts=`` (each
+        leaf's split over the mesh axes the workers' map makes Auto, a tuple
+        of partitions per leaf, ``()`` for a whole one): a reduction of your
+        own takes them as optax passes extras (``**extra_args``).
       fragments: ``F`` (1: plain DiLoCo), at most ``sync_every``; with
         whole leaves, at most the leaf count.
       fragment_axis: None: each fragment is a group of whole leaves. An

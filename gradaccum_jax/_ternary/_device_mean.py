@@ -95,7 +95,9 @@ def ternary_average_across_devices(
         state = _mean.state_init(config, params, seed)
         return TernaryState(state.key, state.residual, state.auto_splits)
 
-    def update_fn(updates, state, params=None, *, weight=None, **extra_args):
+    def update_fn(
+        updates, state, params=None, *, weight=None, leaf_layouts=None, **extra_args
+    ):
         del params, extra_args
         check_updates(updates, state.residual, _CALLER, min_size, config.keeps_residual)
         means, new_state, _ = _mean.reduce_with_codec(
@@ -103,6 +105,7 @@ def ternary_average_across_devices(
             updates,
             CodecState(state.key, state.residual, (), state.auto_splits),
             weight,
+            layouts=leaf_layouts,
         )
         return means, TernaryState(new_state.key, new_state.residual, state.auto_splits)
 
