@@ -48,10 +48,11 @@ def bf16_wire_reduction() -> ga.extend.WindowReduction:
 
         wire = layout.reduce(jax.tree.map(to_wire, terms))
         sums = jax.tree.map(lambda s, t: s.astype(t.dtype), wire, terms)
-        return sums, windows + 1
+        # Its sums are not exact, but it does not say by how much: 0.
+        return sums, windows + 1, jnp.zeros([], jnp.float32)
 
     return ga.extend.WindowReduction(
-        init=lambda params: jnp.zeros([], jnp.int32), reduce=reduce
+        init=lambda params, layout: jnp.zeros([], jnp.int32), reduce=reduce
     )
 
 

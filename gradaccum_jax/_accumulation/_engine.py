@@ -269,7 +269,7 @@ def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
         for name, stat in config.statistics.items()
     }
     (reduced, weight, stat_sums), reduction_state, sum_sq_excess = (
-        config.reduction.reduce_window(
+        config.reduction.reduce(
             (config.store.reduction_terms(whole, rest), window_weight, stat_terms),
             layout,
             carry.reduction_state,

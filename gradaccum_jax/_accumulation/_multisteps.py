@@ -8,7 +8,6 @@ arguments) and calls the engine; the algorithm itself reads in `_engine`.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -212,7 +211,7 @@ class MultiSteps:
             _checks.made_like(
                 state.reduction_state,
                 jax.eval_shape(
-                    functools.partial(self._config.reduction.init_state, layout=layout),
+                    lambda params: self._config.reduction.init(params, layout),
                     params,
                 ),
                 "MultiSteps.update: the state's reduction_state",

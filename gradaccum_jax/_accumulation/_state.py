@@ -112,7 +112,7 @@ def initial_state(config: Configuration, params: optax.Params) -> MultiStepsStat
         emitted=jnp.zeros([], jnp.bool_),
         # Per-device states (a codec's residuals, stacked) are not laid out
         # like the params: no partitioning metadata of theirs (flax's boxes).
-        reduction_state=_tree.unboxed(config.reduction.init_state(params, layout)),
+        reduction_state=_tree.unboxed(config.reduction.init(params, layout)),
         window_size=config.window_size.initial(),
         statistics={
             name: stat.init(params, layout) for name, stat in config.statistics.items()

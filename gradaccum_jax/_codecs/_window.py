@@ -115,17 +115,11 @@ def compressed_window_reduction(
         )
 
     def reduce_fn(terms, layout, state):
+        # A codec that does not report its excess reports 0 (`CodecSum`).
         config = _config(codec, layout, error_feedback, codec.reports_sq_excess)
-        sums, state, sq_excess = reduce_terms(config, terms, layout, state)
-        return (sums, state, sq_excess) if codec.reports_sq_excess else (sums, state)
+        return reduce_terms(config, terms, layout, state)
 
-    return _reduction.WindowReduction(
-        init_fn,
-        reduce_fn,
-        reports_sq_excess=codec.reports_sq_excess,
-        per_device=True,
-        place=place_state,
-    )
+    return _reduction.WindowReduction(init_fn, reduce_fn, place=place_state)
 
 
 def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:

@@ -52,7 +52,7 @@ def ternary_window_reduction(
     why, and how the random bits make a restored run emit the same updates.
 
     It also says by how much the codes change the squared norm of the sum
-    (`gradaccum_jax.extend.WindowReduction.reports_sq_excess`: their
+    (the ``sq_excess`` of `gradaccum_jax.extend.WindowReduction.reduce`: their
     rounding variance, less what clipping removed, one more scalar psum per
     window), so that the gradient noise scale tracked on the window stays
     unbiased.
@@ -96,7 +96,8 @@ def ternary_window_reduction(
     # the window steps and divides the sum.
     codec = ternary_codec(clip_sigma, "stochastic", max(min_size, 2), "ternary codes")
 
-    def init_fn(params):
+    def init_fn(params, layout):
+        del layout  # the same state on every device
         real_leaves(params, "ternary_window_reduction: params")
         # No residual and a codec without state: the counter, and how the
         # params lie over Auto mesh axes where they are placed.
@@ -119,4 +120,4 @@ def ternary_window_reduction(
         )
         return reduce_terms(config, terms, layout, state)
 
-    return _reduction.WindowReduction(init_fn, reduce_fn, reports_sq_excess=True)
+    return _reduction.WindowReduction(init_fn, reduce_fn)
