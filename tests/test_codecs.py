@@ -1316,6 +1316,7 @@ def test_topk_decodes_the_devices_maps_one_at_a_time(collective, bound):
     assert compiled.memory_analysis().temp_size_in_bytes < bound * 4 * 512 * 2048
 
 
+@pytest.mark.slow  # compiles at scale (64 emulated devices), about 7 s
 def test_topk_maps_at_scale_move_packed_words_and_no_indices(tmp_path):
     """On the 0.81B-param reference, half of each chunk in one bit through
     the owners moves only uint32 maps and float32 scales over `data`: each
@@ -1345,6 +1346,7 @@ def test_topk_maps_at_scale_move_packed_words_and_no_indices(tmp_path):
         assert row["temp_bytes"] < limit * 2**30, (path, row["temp_bytes"] / 2**30)
 
 
+@pytest.mark.slow  # compiles at scale (64 emulated devices), about 9 s
 def test_topk_at_scale_gathers_only_its_payloads_and_searches_in_batches(tmp_path):
     """The 0.81B-param reference of benchmarks/bench_scale.py (24 scanned
     layers, tensor parallel over `model`, `data` 8 x `model` 8, compiled in

@@ -296,6 +296,7 @@ def test_unknown_element_type_is_named():
 # --- the reference configuration of benchmarks/bench_scale.py, 64 devices ---
 
 
+@pytest.mark.slow  # compiles at scale (64 emulated devices)
 def test_reference_configuration_on_64_devices(tmp_path):
     """The 0.81B-param reference of benchmarks/bench_scale.py, compiled for a
     ``data`` 8 x ``model`` 8 mesh in a process of its own (this one has 8

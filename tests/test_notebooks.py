@@ -82,7 +82,13 @@ EXECUTED_HERE = [path for path in NOTEBOOKS if path.stem not in EXECUTED_ELSEWHE
 
 # The slowest notebooks (25 s to a minute each on 2 cores) run in `slow`
 # (.ci/run), keeping a plain `pytest` under 10 minutes.
-SLOW_NOTEBOOKS = {"02_data_parallel", "03_ternary", "07_low_communication"}
+SLOW_NOTEBOOKS = {
+    "02_data_parallel",
+    "03_ternary",
+    "04_microbatching",
+    "05_noise_scale",
+    "07_low_communication",
+}
 
 
 @pytest.mark.parametrize(

@@ -638,8 +638,8 @@ def test_complex_leaves_are_rejected_naming_the_leaf(name, leaf):
 
 def test_complex_params_of_a_ternary_window_reduction_are_rejected():
     with pytest.raises(ValueError, match=r"params leaf \['b2'\] has dtype complex64"):
-        ga.ternary_window_reduction(0).init(
-            {**PARAMS, "b2": PARAMS["b2"].astype(jnp.complex64)}
+        ga.ternary_window_reduction(0).init(  # (params, layout): no layout needed
+            {**PARAMS, "b2": PARAMS["b2"].astype(jnp.complex64)}, None
         )
     with pytest.raises(ValueError, match="complex array has no ternary code"):
         ga.ternary_quantize(jnp.ones(3, jnp.complex64), jax.random.key(0))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _checks, _partials, _placement, _reduction, _tree
+from gradaccum_jax import _checks, _placement, _reduction, _tree
 from gradaccum_jax._codecs import _auto_blocks, _mean
 from gradaccum_jax._codecs._average import codec_argument
 from gradaccum_jax._codecs._protocol import Codec, CodecState
@@ -127,7 +127,7 @@ def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
     residual like its leaf of ``like`` (the gradients or params) over the
     others: a state restored from host arrays has lost both splits."""
     residual_slots = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
-    if isinstance(layout, _partials.Stacked):  # Auto: as `init` saw the params
+    if layout.stacked:  # Auto: as `init` saw the params
         shapes = [
             slot.shape if keeps_no_array(slot) else tuple(slot.shape[1:])
             for slot in residual_slots
@@ -175,12 +175,13 @@ def _term_parts(
     fits; ``()`` (whole) for a leaf past the params' or where nothing was
     seen.
     """
-    if not isinstance(layout, _partials.Stacked):
+    if not layout.stacked:
         return [_tree.partitions(leaf) for leaf in leaves]
     parts = []
     for i, shape in enumerate(shapes):
         split = seen.splits[i] if i < len(seen.splits) else _blocks.WHOLE
-        split = tuple(_placement.without_axis(part, layout.axis) for part in split)
+        for axis in layout.axes:
+            split = tuple(_placement.without_axis(part, axis) for part in split)
         parts.append(split if _auto_blocks.fits(shape, split) else _blocks.WHOLE)
     return parts
 
@@ -227,7 +228,7 @@ def reduce_terms(
     """
     leaves, treedef = jax.tree.flatten(terms)
     residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
-    stacked = isinstance(layout, _partials.Stacked)
+    stacked = layout.stacked
     slots = _residual_slots(config, leaves, residuals, stacked)
     param_shapes = [
         tuple(np.shape(leaf))[1:] if stacked else tuple(np.shape(leaf))
@@ -241,10 +242,7 @@ def reduce_terms(
         for i, slot in enumerate(slots)
     ]
     state_spec = _device_spec(layout, ())
-    if stacked:
-        term_specs = [P(layout.axis, *p) for p in parts]
-    else:
-        term_specs = [P(*p, unreduced=set(layout.axes)) for p in parts]
+    term_specs = [layout.term_spec(p) for p in parts]
     arrays = [slot for slot in slots if not keeps_no_array(slot)]
     array_specs = [spec for spec in residual_specs if spec is not None]
 

@@ -38,10 +38,8 @@ class DeviceTerms(TermsLayout, abc.ABC):
     """What the two layouts with per-device terms share."""
 
     # The partition spec of terms in a shard_map over the layout's axis
-    # (whole leaves: a per-device state's), and whether a device's own term
-    # is a slice of a stacked array (set by each layout).
+    # (whole leaves: a per-device state's), set by each layout.
     _term_spec: P
-    _stacked: bool
 
     @abc.abstractmethod
     def as_stacked(self, terms: Any) -> Any:
@@ -133,7 +131,7 @@ class DeviceTerms(TermsLayout, abc.ABC):
 
     def _on_each_device(self, fn, states, terms, shared, to_terms):
         (axis,) = self.axes
-        stacked = self._stacked
+        stacked = self.stacked
 
         def local(states, terms, shared):
             own_terms = [_unstack(term) if stacked else term for term in terms]

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _tree, _weights
 
@@ -19,6 +20,9 @@ class TermsLayout:
     """
 
     axes: frozenset[str] = frozenset()
+    # Whether a term carries a leading device axis, one row per device (an
+    # Auto axis's terms), else it is shaped like its value.
+    stacked: bool = False
 
     def zeros(self, leaf: Any) -> jax.Array:
         """A zero sum, as terms, of a value shaped (and sharded) like ``leaf``."""
@@ -46,6 +50,12 @@ class TermsLayout:
     def loaded(self, stored: Any) -> Any:
         """A term `stored` keeps, as terms again, on this mesh's devices."""
         return stored
+
+    def term_spec(self, parts: tuple[Any, ...]) -> Any:
+        """The ``shard_map`` spec of terms of a value split as ``parts`` over
+        the mesh axes other than the layout's: each device gets its own
+        term's block."""
+        return P(*parts)
 
     def device_count(self) -> int:
         """The number of devices over the layout's axes (1 without terms)."""

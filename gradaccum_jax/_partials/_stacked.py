@@ -22,7 +22,7 @@ class Stacked(DeviceTerms):
     ``(1, 16, 8)`` block on each device, as many bytes as the param's own.
     """
 
-    _stacked = True
+    stacked = True
 
     def __init__(self, axis: str, size: int):
         self.axes = frozenset({axis})
@@ -89,6 +89,9 @@ class Stacked(DeviceTerms):
         return jax.lax.with_sharding_constraint(
             terms, P(self.axis, *(P.UNCONSTRAINED,) * len(shape))
         )
+
+    def term_spec(self, parts: tuple[Any, ...]) -> P:
+        return P(self.axis, *parts)
 
     def reduce(self, tree: Any) -> Any:
         # XLA's all-reduce combiner fuses the leaves' sums into one.

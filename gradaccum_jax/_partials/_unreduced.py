@@ -18,8 +18,6 @@ from gradaccum_jax._partials._rows import stacks, term_shape
 class Unreduced(DeviceTerms):
     """Terms as unreduced arrays over Explicit mesh ``axes``."""
 
-    _stacked = False
-
     def __init__(self, axes: frozenset[str]):
         self.axes = axes
         self._term_spec = P(unreduced=set(axes))
@@ -89,6 +87,9 @@ class Unreduced(DeviceTerms):
             )(leaf)
 
         return jax.tree.map(as_rows, terms)
+
+    def term_spec(self, parts: tuple[Any, ...]) -> P:
+        return P(*parts, unreduced=set(self.axes))
 
     def stored(self, term: jax.Array) -> jax.Array:
         """``term`` as a state keeps it across jitted calls: an ordinary array.

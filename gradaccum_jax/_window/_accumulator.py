@@ -246,21 +246,22 @@ def check_arrival(
     ``acc`` is the window's leaf, or None for a per-device window (whose
     leaves are no gradient's shape: only the leading device axis is checked).
     """
-    if isinstance(layout, _partials.Stacked):
+    if layout.stacked:
         if acc is not None:
             one_term = jax.ShapeDtypeStruct(jnp.shape(acc)[1:], jnp.result_type(acc))
             if layout.arrives_whole(grad, one_term):
                 raise _checks.whole_gradient_error(
                     jax.tree_util.keystr(path), layout.axes
                 )
-        expected = (layout.size,) if acc is None else jnp.shape(acc)
+        expected = (layout.device_count(),) if acc is None else jnp.shape(acc)
         if jnp.shape(grad)[: len(expected)] != expected or (
             acc is not None and jnp.shape(grad) != expected
         ):
             raise ValueError(
                 f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
                 f"{jnp.shape(grad)}; on an Auto mesh the window keeps one term "
-                f"per device stacked on a leading axis of size {layout.size}: "
+                "per device stacked on a leading axis of size "
+                f"{layout.device_count()}: "
                 "pass the stacked per-device gradients of local_value_and_grad, "
                 "or build the accumulator without unreduced_axes to take "
                 "jax.grad's whole gradients."
