@@ -53,11 +53,12 @@ def local_value_and_grad(
       examples.
 
     ``loss_fn`` runs once per device in a ``jax.vmap`` mapped over
-    ``axis_name`` only, so a tensor-parallel param keeps its split over
-    the other axes (a ``shard_map`` manual over ``axis_name`` would gather
-    it on jax 0.10.2); on a mesh with no other axis, in that
-    ``shard_map``, which has nothing to gather there and keeps the
-    backward dots plain. Inside it ``jax.lax.axis_index(axis_name)`` works,
+    ``axis_name`` only where another mesh axis is Explicit, so a
+    tensor-parallel param keeps its split over it (a ``shard_map`` manual
+    over ``axis_name`` would gather it on jax 0.10.2); where every other
+    axis is Auto (or there is none), in that ``shard_map``, which gathers
+    nothing there, keeps the backward dots plain and the compiler
+    partitions the other axes inside. Inside it ``jax.lax.axis_index(axis_name)`` works,
     and so does a ``psum`` or ``pmean`` over ``axis_name`` of an array
     whose leading dimension is a multiple of the axis size; on an Explicit
     mesh jax 0.10.2 fails to lower one of a 0-d value (an AssertionError):
