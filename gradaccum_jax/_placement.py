@@ -66,7 +66,7 @@ def placed(leaf: Any, spec: P) -> Any:
 
     For an Explicit mesh only (an Auto axis's split is not in the type).
     """
-    if _normalized(_tree.partitions(leaf)) == _normalized(tuple(spec)):
+    if normalized(_tree.partitions(leaf)) == normalized(tuple(spec)):
         return leaf
     return jax.sharding.reshard(leaf, spec)
 
@@ -121,7 +121,7 @@ def rows_split_like(leaf: Any, axis: str, like: Any) -> Any:
     if not is_explicit(axis):
         return leaf
     spec = _rows_spec(_tree.partitions(leaf), axis)
-    if not _normalized(tuple(spec)[1:]):
+    if not normalized(tuple(spec)[1:]):
         spec = P(
             spec[0], *(without_axis(entry, axis) for entry in _tree.partitions(like))
         )
@@ -200,7 +200,7 @@ def without_axis(entry: Any, axis: str) -> Any:
     return entry
 
 
-def _normalized(parts: tuple) -> tuple:
+def normalized(parts: tuple) -> tuple:
     """Spec entries without trailing Nones (``P('data')`` is ``P('data', None)``)."""
     kept = list(parts)
     while kept and kept[-1] is None:

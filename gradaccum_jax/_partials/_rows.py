@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from gradaccum_jax import _placement
+
 
 def stored_shape(shape: tuple[int, ...], devices: int) -> tuple[int, ...]:
     """The shape in which a state keeps a term of ``shape`` on ``devices``.
@@ -55,7 +57,7 @@ def check_placed(terms: Any, layout: Any) -> None:
         parts = tuple(getattr(jax.typeof(leaf).sharding, "spec", ()) or ())
         if expected is None or all(part is None for part in parts):
             continue
-        if _without_trailing_none(parts) != _without_trailing_none(tuple(expected)):
+        if _placement.normalized(parts) != _placement.normalized(tuple(expected)):
             raise ValueError(
                 f"state{_field_path(path)} arrived split "
                 f"{jax.sharding.PartitionSpec(*parts)}, but the state keeps it "
@@ -72,10 +74,3 @@ def _field_path(path: tuple) -> str:
     """``.acc_grads['w']`` for the key path ``['acc_grads']['w']``."""
     first, *rest = path
     return f".{first.key}{jax.tree_util.keystr(tuple(rest))}"
-
-
-def _without_trailing_none(parts: tuple) -> tuple:
-    kept = list(parts)
-    while kept and kept[-1] is None:
-        kept.pop()
-    return tuple(kept)
