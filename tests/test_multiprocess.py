@@ -184,6 +184,7 @@ TOLERANCE = {
 }
 
 
+@pytest.mark.slow  # two processes per kind, about 40 s of a plain pytest in all
 @pytest.mark.parametrize("kind", worker.KINDS)
 def test_two_processes_match_one_process_with_8_devices(kind, tmp_path):
     assert jax.device_count() >= worker.NUM_DEVICES, "conftest.py gives 8 devices"
@@ -224,6 +225,7 @@ def _single_process_diloco(kind: str) -> dict[str, np.ndarray]:
     return worker.train_diloco(jax.devices()[: worker.NUM_DEVICES], kind)
 
 
+@pytest.mark.slow  # two processes per kind
 @pytest.mark.parametrize("kind", worker.DILOCO_KINDS)
 def test_diloco_two_processes_match_one_process_with_8_devices(tmp_path, kind):
     """DiLoCo's stacked workers, fragments and weighted outer mean agree
@@ -314,6 +316,7 @@ def _wait_until_stopped(processes, out_dir: pathlib.Path) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # a killed and a resumed process
 def test_jit_run_killed_mid_window_resumes_bitwise(jit_run, tmp_path):
     """SIGKILL one process mid-window, restart both from the last checkpoint:
     the final parameters and state equal the uninterrupted run's bitwise."""

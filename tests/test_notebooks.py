@@ -83,6 +83,7 @@ EXECUTED_HERE = [path for path in NOTEBOOKS if path.stem not in EXECUTED_ELSEWHE
 # The slowest notebooks (25 s to a minute each on 2 cores) run in `slow`
 # (.ci/run), keeping a plain `pytest` under 10 minutes.
 SLOW_NOTEBOOKS = {
+    "01_quickstart",
     "02_data_parallel",
     "03_ternary",
     "04_microbatching",

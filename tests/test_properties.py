@@ -224,6 +224,7 @@ def _reference(grads, weights, use_grad_mean):
     return result
 
 
+@pytest.mark.slow  # 25 hypothesis windows against float64, about 6 s
 # derandomize: the same 25 examples on every run, so CI cannot flake; no
 # example database written into the checkout.
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
@@ -296,6 +297,7 @@ def _low_precision_window(dtype, k, weighted):
     return run
 
 
+@pytest.mark.slow  # hypothesis examples of long windows, about 7 s
 @settings(max_examples=20, deadline=None, derandomize=True, database=None)
 @given(
     dtype=st.sampled_from([jnp.float16, jnp.bfloat16]),
