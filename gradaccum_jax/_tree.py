@@ -209,11 +209,15 @@ def mesh_axes_of(leaf: Any) -> frozenset[str]:
 
 def mesh_axes_in(placement: tuple[Any, ...]) -> frozenset[str]:
     """The mesh axes a tuple of partitions (a spec's entries) names."""
-    axes: set[str] = set()
-    for part in placement:
-        if part is not None:
-            axes |= {part} if isinstance(part, str) else set(part)
-    return frozenset(axes)
+    return frozenset(axis for part in placement for axis in entry_axes(part))
+
+
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one spec entry names, in order: ``()`` for None, the
+    axis for an axis name, the axes of a tuple of them."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def reduce_unreduced(tree: Any) -> Any:

@@ -1,8 +1,9 @@
 """The package keeps sizes a reader can hold: no module over 500 lines, no
 function or method (nested ones included, from ``def`` to its last line, its
 docstring left out) over 80 lines, no class body over 300 lines, and no
-import cycle among its modules. Read from the source with ``ast``; nothing is
-imported.
+import cycle among its modules or among its parts (a subpackage, or a
+top-level module, taken as a whole). Read from the source with ``ast``;
+nothing is imported.
 
 A function's docstring does not count against it: the limit is on how much
 logic one function holds, and a public function's docstring (its Args, its
@@ -170,6 +171,28 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph seen part by part: each module stands for the part
+    of the package it belongs to (its subpackage, or itself for a
+    top-level module), an edge where a module of one part imports one of
+    another. The package's own ``__init__`` (the public names, importing
+    every part) is left out. Importing a submodule runs its package's
+    ``__init__`` too, so a cycle between parts is a cycle Python meets
+    even where no two modules import each other."""
+    root = next(name for name in graph if "." not in name)
+
+    def part(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    parts: dict[str, set[str]] = {}
+    for module, imports in graph.items():
+        if module == root:
+            continue
+        edges = parts.setdefault(part(module), set())
+        edges.update(part(m) for m in imports if m != root and part(m) != part(module))
+    return parts
+
+
 MODULES = module_paths(PACKAGE_DIR)
 
 
@@ -187,6 +210,19 @@ def test_module_function_and_class_sizes(path):
 def test_no_import_cycle_among_package_modules():
     cycles = import_cycles(import_graph(PACKAGE_DIR))
     assert not cycles, "\n".join("import cycle: " + " -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycle_among_package_parts():
+    cycles = import_cycles(package_graph(import_graph(PACKAGE_DIR)))
+    assert not cycles, "\n".join("import cycle: " + " -> ".join(c) for c in cycles)
+
+
+def test_the_part_graph_layers_compression_below_the_codecs():
+    parts = package_graph(import_graph(PACKAGE_DIR))
+    assert "gradaccum_jax._compression" in parts["gradaccum_jax._codecs"]
+    assert "gradaccum_jax._codecs" in parts["gradaccum_jax._ternary"]
+    assert "gradaccum_jax._compression" in parts["gradaccum_jax._diloco"]
+    assert "gradaccum_jax._codecs" not in parts["gradaccum_jax._diloco"]
 
 
 def test_the_graph_sees_the_package_imports():
@@ -268,6 +304,21 @@ def test_the_checker_catches_an_import_cycle(tmp_path):
     # Breaking one edge breaks the cycle.
     _write(tmp_path, "pkg/_sub/_c.py", "c = 1\n")
     assert import_cycles(import_graph(tmp_path / "pkg")) == []
+
+
+def test_the_checker_catches_a_cycle_between_parts(tmp_path):
+    # No two modules import each other, but _sub/_c imports _a, and _a
+    # imports _sub/_e: the parts _a and _sub form a cycle.
+    _write(tmp_path, "pkg/__init__.py", "from pkg._a import a\n")
+    _write(tmp_path, "pkg/_a.py", "from pkg._sub import _e\n\na = 1\n")
+    _write(tmp_path, "pkg/_sub/__init__.py", "")
+    _write(tmp_path, "pkg/_sub/_c.py", "from pkg import _a\n")
+    _write(tmp_path, "pkg/_sub/_e.py", "e = 1\n")
+    graph = import_graph(tmp_path / "pkg")
+    assert import_cycles(graph) == []
+    parts = package_graph(graph)
+    assert parts == {"pkg._a": {"pkg._sub"}, "pkg._sub": {"pkg._a"}}
+    assert import_cycles(parts) == [["pkg._a", "pkg._sub", "pkg._a"]]
 
 
 # Jaxpr equation parameters a JAX release renamed: a test reading one by its

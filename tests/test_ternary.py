@@ -18,7 +18,8 @@ import pytest
 
 import gradaccum_jax as ga
 from gradaccum_jax._codecs import _packing
-from gradaccum_jax._ternary import _accumulator, _quantize
+from gradaccum_jax._codecs._ternary_kernels import scale_and_bound
+from gradaccum_jax._ternary import _accumulator
 from helpers import EAGER_AND_JIT
 
 NUM_DEVICES = 8
@@ -441,32 +442,36 @@ def test_weighted_statistics_come_from_the_unweighted_gradient():
         weight = jnp.float32(weight)
         # Exact: rounding is monotone, so max|w g| = |w| max|g|.
         max_abs = float(jnp.max(jnp.abs(weight * x)))
-        scale, bound, finite = _quantize.scale_and_bound(x, 2.5, weight)
+        scale, bound, finite = scale_and_bound(x, 2.5, weight)
         np.testing.assert_allclose(bound, 2.5 * abs(float(weight)) * rms, rtol=1e-6)
         # The bound is the scale: one reduction, no max|x|.
         assert float(scale) == float(bound) and bool(finite)
-        tight = _quantize.scale_and_bound(x, 2.5, weight, tight=True)
+        tight = scale_and_bound(x, 2.5, weight, tight=True)
         assert float(tight[0]) == min(max_abs, float(bound)) and bool(tight[2])
-        scale, bound, finite = _quantize.scale_and_bound(x, None, weight)
+        scale, bound, finite = scale_and_bound(x, None, weight)
         assert float(scale) == max_abs
         assert float(bound) == np.inf and bool(finite)
     for clip_sigma, tight in ((2.5, False), (2.5, True), (None, False)):
         kwargs = {"clip_sigma": clip_sigma, "tight": tight}
         for weight in (np.nan, np.inf):
-            finite = _quantize.scale_and_bound(x, weight=jnp.float32(weight), **kwargs)
+            finite = scale_and_bound(
+                x, weight=jnp.float32(weight), **kwargs
+            )
             assert not bool(finite[2])
         for bad in (np.nan, np.inf):
-            finite = _quantize.scale_and_bound(x.at[7].set(bad), weight=2.0, **kwargs)
+            finite = scale_and_bound(
+                x.at[7].set(bad), weight=2.0, **kwargs
+            )
             assert not bool(finite[2])
     # Finite, but the sum of squares overflows float32: the largest
     # magnitude is read then, and the leaf is merely not clipped, tight or
     # not (an infinite element stays non-finite, above).
     huge = jnp.full((1000,), 1e19, jnp.float32)
     for tight in (False, True):
-        scale, bound, finite = _quantize.scale_and_bound(huge, 2.5, tight=tight)
+        scale, bound, finite = scale_and_bound(huge, 2.5, tight=tight)
         assert float(scale) == float(np.float32(1e19)) and bool(finite)
         assert float(bound) == np.inf
-    assert bool(_quantize.scale_and_bound(huge, None)[2])
+    assert bool(scale_and_bound(huge, None)[2])
 
 
 def test_scale_is_the_clipping_bound_even_without_outliers():

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import gradaccum_jax as ga
-from gradaccum_jax._ternary import _random
+from gradaccum_jax._compression import _random
 
 SIZE = 1 << 16
 NUM_DEVICES = 8

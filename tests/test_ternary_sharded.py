@@ -21,8 +21,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import gradaccum_jax as ga
-from gradaccum_jax._ternary import _random
-from gradaccum_jax._ternary._quantize import scale_and_bound
+from gradaccum_jax._codecs._ternary_kernels import scale_and_bound
+from gradaccum_jax._compression import _random
 from helpers import init_as_users_do, moved_arrays
 
 # (mesh shape, mesh axes, the weight's spec, the bias's spec, dtype)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import numpy as np
 import optax
 
 from gradaccum_jax import _checks
 from gradaccum_jax._codecs import _mean
 from gradaccum_jax._codecs._protocol import Codec, CodecState
-from gradaccum_jax._ternary._leaves import check_updates, real_leaves
+from gradaccum_jax._compression._leaves import real_leaves
 
 _CALLER = "compressed_average_across_devices"
 
@@ -88,21 +86,27 @@ def compressed_average_across_devices(
       (each leaf's split over Auto mesh axes, as `diloco` passes it: each
       device then codes its own block).
     """
+    return average(axis_name, codec, seed, error_feedback, _CALLER)
+
+
+def average(
+    axis_name: Any,
+    codec: Any,
+    seed: Any,
+    error_feedback: Any,
+    caller: str,
+    coder: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """`compressed_average_across_devices`, its messages naming ``caller``
+    (and ``coder``, what codes the leaves: the codec by default)."""
     axis = _checks.axis_name("axis_name", axis_name)
     codec = codec_argument(codec)
     seed = _checks.prng_seed("seed", seed)
     error_feedback = _checks.boolean("error_feedback", error_feedback)
-    config = _mean.Reduce(codec, axis, error_feedback, caller=_CALLER)
-    return average_transformation(config, seed)
-
-
-def average_transformation(
-    config: _mean.Reduce, seed: int
-) -> optax.GradientTransformationExtraArgs:
-    """The transformation of a checked configuration (state: `CodecState`)."""
+    config = _mean.Reduce(codec, axis, error_feedback, caller=caller, coder=coder)
 
     def init_fn(params):
-        real_leaves(params, f"{config.caller}: params", _coder(config))
+        real_leaves(params, f"{config.caller}: params", config.coder_name)
         return _mean.state_init(config, params, seed)
 
     def update_fn(
@@ -115,19 +119,10 @@ def average_transformation(
         **extra,
     ):
         del params, extra
-        check_updates(updates, state.residual, config.caller, coder=_coder(config))
-        _mean.check_grown(updates, state.residual, config)
-        _mean.check_codec_state(
-            config, [np.shape(x) for x in jax.tree.leaves(updates)], state.codec
-        )
+        _mean.check_updates(config, updates, state)
         means, state, _ = _mean.reduce_with_codec(
             config, updates, state, weight, layouts=leaf_layouts
         )
         return means, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _coder(config: _mean.Reduce) -> str:
-    """What codes the leaves, for messages."""
-    return f"the codec {config.codec.name}"

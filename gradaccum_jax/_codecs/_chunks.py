@@ -162,18 +162,14 @@ def selection(rows: jax.Array, k: int, bits: int) -> jax.Array:
     ``k``-th, every one goes; a map sends no zero).
 
     A map needs no indices: the index and value buffers of half the leaf
-    at a density of 50 % are not made (on the 0.81B reference of
-    ``bench_scale.py``, in one bit through the owners, a DiLoCo sync's
-    temporaries went from 2.64 to 1.88 GiB a device, a window's from 1.98
-    to 1.28), and its ``k``-th magnitude is found by bisection
-    (`_kth_magnitudes`), not by a TopK.
+    at a density of 50 % are not made, and its ``k``-th magnitude is found
+    by bisection (`_kth_magnitudes`), not by a TopK.
 
     XLA's partitioner cannot split a TopK over a sharded batch dimension:
     it gathers the operand whole to every device first (in ``diloco``'s
     map over stacked workers, each worker's every chunk, over the workers'
-    and the ``model`` axes: 1 MiB per 512 KiB leaf on ``data`` 2 x
-    ``model`` 4). A sort would be split, but is some 40 times slower than
-    the TopK on CPU.
+    and the ``model`` axes). A sort would be split, but is much slower
+    than the TopK on CPU.
     """
     if as_map(rows.shape[1], k, bits):
         find, out = _kth_magnitudes, jax.ShapeDtypeStruct((1,), rows.dtype)
@@ -197,9 +193,8 @@ def _kth_magnitudes(rows: jax.Array, k: int) -> jax.Array:
     a row's magnitudes at or above the middle, end at the largest pattern
     with at least ``k`` magnitudes at or above it: the ``k``-th. Each
     halving is one pass over the rows that XLA fuses (a compare and a
-    row sum): on the 1,158 chunks of a 4.7M-parameter MLP on CPU 50 ms,
-    where the k-th of a TopK of half of each took 809 ms
-    (``bench_codecs.py select``).
+    row sum), far faster than a TopK of half of each row
+    (``benchmarks/bench_codecs.py select`` times both).
     """
     patterns = jax.lax.bitcast_convert_type(jnp.abs(rows), jnp.int32)
     chunks = rows.shape[0]

@@ -26,10 +26,15 @@ from gradaccum_jax._codecs._protocol import (
     CodecSum,
     Wire,
     checked_sum,
-    psum_list,
 )
-from gradaccum_jax._ternary import _blocks, _random
-from gradaccum_jax._ternary._leaves import NoResidual, keeps_no_array
+from gradaccum_jax._compression import (
+    _auto_splits,
+    _blocks,
+    _error_feedback,
+    _leaves,
+    _random,
+)
+from gradaccum_jax._compression._leaves import keeps_no_array
 
 
 class Reduce(NamedTuple):
@@ -43,6 +48,7 @@ class Reduce(NamedTuple):
         share of it); False: the plain sum of per-device terms.
       report_sq_excess: also return the codec's `CodecSum.sq_excess`.
       caller: the public name, for messages.
+      coder: what codes the leaves, for messages (default: the codec).
     """
 
     codec: Codec
@@ -51,12 +57,23 @@ class Reduce(NamedTuple):
     mean: bool = True
     report_sq_excess: bool = False
     caller: str = "compressed_average_across_devices"
+    coder: str | None = None
+
+    @property
+    def coder_name(self) -> str:
+        """What codes the leaves, for messages."""
+        return self.coder or f"the codec {self.codec.name}"
 
     @property
     def keeps_residual(self) -> bool:
-        """Whether a residual is kept (a codec whose `sent` is its input's
-        expectation and which never clips has nothing to keep)."""
-        return self.error_feedback and self.codec.keeps_residual
+        """Whether a residual is kept (see `_compression._error_feedback`)."""
+        return _error_feedback.keeps_residual(
+            self.error_feedback, self.codec.keeps_residual
+        )
+
+    def coded(self, leaf: Any) -> bool:
+        """Whether the codec compresses ``leaf`` (whole)."""
+        return coded(self.codec, leaf)
 
 
 def compresses(codec: Codec, shape: tuple[int, ...]) -> bool:
@@ -80,36 +97,10 @@ def coded(codec: Codec, leaf: Any, split: _blocks.Split = _blocks.WHOLE) -> bool
     return compresses(codec, shape)
 
 
-def keeps_a_residual(state: Any) -> bool:
-    """Whether a reduction's ``state`` (a `CodecState`, a `TernaryState`)
-    keeps an error-feedback residual for some leaf."""
-    residual = getattr(state, "residual", None)
-    return residual is not None and any(
-        not keeps_no_array(r) for r in jax.tree.leaves(residual, is_leaf=keeps_no_array)
-    )
-
-
-def take_residual(state: Any, fraction: Any) -> tuple[list[Any], Any]:
-    """``fraction`` of each leaf's residual in ``state``, in the devices'
-    share units (None for a leaf that keeps none), and ``state`` keeping
-    the rest: the two add up to the residual, so nothing unsent is lost."""
-    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
-    taken = [None if keeps_no_array(r) else fraction * r for r in residuals]
-    rest = [r if t is None else r - t for r, t in zip(residuals, taken, strict=True)]
-    treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
-    return taken, state._replace(residual=jax.tree.unflatten(treedef, rest))
-
-
 def state_init(config: Reduce, params: Any, seed: int) -> CodecState:
     """The state before the first call: zero residuals, the codec's own,
     and how the params lie over Auto mesh axes where they are placed."""
     key = _random.seed_state(seed)
-
-    def residual(param):
-        if config.keeps_residual and coded(config.codec, param):
-            return _tree.zeros_like(param, jnp.float32)
-        return NoResidual(tuple(np.shape(param)))
-
     shapes = [
         jax.ShapeDtypeStruct(np.shape(leaf), jnp.float32)
         for leaf in jax.tree.leaves(params)
@@ -117,28 +108,24 @@ def state_init(config: Reduce, params: Any, seed: int) -> CodecState:
     ]
     return CodecState(
         key,
-        jax.tree.map(residual, params),
+        _error_feedback.residual_init(params, config.coded, config.keeps_residual),
         config.codec.init(shapes, key),
-        _auto_blocks.seen_splits(jax.tree.leaves(params)),
+        _auto_splits.seen_splits(jax.tree.leaves(params)),
     )
 
 
-def check_grown(updates: Any, residual: Any, config: Reduce) -> None:
-    """Raises, naming the leaf, if a leaf is coded where the state keeps no
-    residual for it (the state was initialized with other params)."""
-    if not config.keeps_residual:
-        return
-    leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
-    slots = jax.tree.leaves(residual, is_leaf=keeps_no_array)
-    for (path, leaf), slot in zip(leaves, slots, strict=True):
-        if coded(config.codec, leaf) and keeps_no_array(slot):
-            raise ValueError(
-                f"{config.caller}: updates leaf {jax.tree_util.keystr(path)} "
-                f"has shape {np.shape(leaf)}, which {config.codec.name} "
-                "compresses, but the state was initialized with a leaf it "
-                "does not compress there (no residual): initialize the state "
-                "with the parameters the updates come from."
-            )
+def check_updates(config: Reduce, updates: Any, state: CodecState) -> None:
+    """Raises, naming the leaf, where ``updates`` do not fit ``state``: not
+    real floating point, another tree or shape than the params', a leaf
+    coded where no residual was kept, a codec state of another codec."""
+    _leaves.check_updates(updates, state.residual, config.caller, config.coder_name)
+    if config.keeps_residual:
+        _error_feedback.check_grown(
+            updates, state.residual, config.coded, config.caller, config.codec.name
+        )
+    check_codec_state(
+        config, [np.shape(x) for x in jax.tree.leaves(updates)], state.codec
+    )
 
 
 def check_codec_state(
@@ -176,7 +163,7 @@ def reduce_with_codec(
 
     ``splits`` as in `Wire.splits`, for every leaf (None: all whole);
     ``layouts``, each leaf's split over Auto mesh axes where the caller
-    knows it (`_auto_blocks.layouts_of`).
+    knows it (`_compression._auto_splits.layouts_of`).
     """
     num_devices = _checks.bound_axis_size(config.axis, config.caller)
     leaves, treedef = jax.tree.flatten(updates)
@@ -207,7 +194,7 @@ def reduce_with_codec(
         config.error_feedback,
         config.report_sq_excess,
     )
-    layouts = _auto_blocks.layouts_of(leaves, state.auto_splits, layouts)
+    layouts = _auto_splits.layouts_of(leaves, state.auto_splits, layouts)
     coded_sum = _sum_on_blocks(
         config.codec,
         inputs,
@@ -222,8 +209,8 @@ def reduce_with_codec(
         result = jnp.where(finite, coded_sum.sums[j], jnp.nan)
         results[i] = jnp.where(has_weight, result, 0.0).astype(leaves[i].dtype)
         if config.keeps_residual:
-            new_residuals[i] = jnp.where(
-                finite & has_weight, inputs[j] - coded_sum.sent[j], residuals[i]
+            new_residuals[i] = _error_feedback.fed_back(
+                inputs[j], coded_sum.sent[j], finite & has_weight, residuals[i]
             )
     # A zero total weight (nothing seen anywhere) or a non-finite leaf
     # leaves the codec's state as it was (a warm start poisoned by a NaN
@@ -307,12 +294,14 @@ def _exact(
     # NaN gradients contribute nothing (0 * NaN).
     if weight is None:
         raw = jnp.float32(1.0)
-        sums = psum_list([leaves[i].astype(jnp.float32) for i in exact], config.axis)
+        sums = _blocks.psum_list(
+            [leaves[i].astype(jnp.float32) for i in exact], config.axis
+        )
         total = jnp.float32(num_devices)
     else:
         raw = _weights.scalar_weight(weight, config.caller)
         sums = [_weights.weighted(raw, leaves[i].astype(jnp.float32)) for i in exact]
-        total, *sums = psum_list([raw, *sums], config.axis)
+        total, *sums = _blocks.psum_list([raw, *sums], config.axis)
     if not config.mean:
         return (
             {i: s.astype(leaves[i].dtype) for i, s in zip(exact, sums, strict=True)},

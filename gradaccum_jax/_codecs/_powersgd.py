@@ -37,8 +37,8 @@ import numpy as np
 
 from gradaccum_jax import _checks, _tree
 from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least
-from gradaccum_jax._ternary import _blocks
-from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
+from gradaccum_jax._compression import _blocks
+from gradaccum_jax._compression._leaves import DEFAULT_MIN_SIZE
 
 # Calls a uint32 call counter numbers.
 _COUNTER_LIMIT = 2**32
@@ -127,11 +127,8 @@ def powersgd(
     all-reduce, as PyTorch's PowerSGD hook does for its first
     ``start_powerSGD_iter`` steps: nothing is held back, and ``Q`` keeps
     its initial value until the first compressed call. The count is the
-    codec state's call counter, so a restored state resumes it. On the
-    digits MLP of ``benchmarks/bench_low_communication.py`` (data parallel,
-    rank 4, 512 steps, AdamW, seeds 0-3) 5 float32 steps first took the
-    loss from 1.096x float32's to 1.023x, at 1/14.9 of its bytes instead
-    of 1/17.3.
+    codec state's call counter, so a restored state resumes it. The
+    low-communication guide measures what a warm-up buys.
 
     Example:
 
@@ -230,7 +227,7 @@ def _factored_sum(
     qs = [
         _own_rows(q, m, part) for q, m, part in zip(state, stacks, parts, strict=True)
     ]
-    p_sums = _psum_list(
+    p_sums = _grouped_psums(
         [jnp.einsum("lmc,lcr->lmr", m, q) for m, q in zip(stacks, qs, strict=True)],
         [_axes_with(wire.axis, part, "columns") for part in parts],
     )
@@ -239,11 +236,11 @@ def _factored_sum(
         _own_p(jnp.linalg.qr(_gathered(p, part, "rows", 1))[0], m, part)
         for p, m, part in zip(p_sums, stacks, parts, strict=True)
     ]
-    own_qs = _psum_list(
+    own_qs = _grouped_psums(
         [jnp.einsum("lmc,lmr->lcr", m, p) for m, p in zip(stacks, ps, strict=True)],
         [_axes_with((), part, "rows") for part in parts],
     )
-    q_sums = _psum_list(own_qs, [wire.axis] * len(own_qs))
+    q_sums = _grouped_psums(own_qs, [wire.axis] * len(own_qs))
     sums, sent, new_state, finite = [], [], [], []
     for j, (x, split, part) in enumerate(zip(inputs, wire.splits, parts, strict=True)):
         approx = jnp.einsum("lmr,lcr->lmc", ps[j], q_sums[j])
@@ -287,7 +284,7 @@ def _float32_sum(inputs: list[jax.Array], state: Any, wire: Wire) -> CodecSum:
     """Every input summed exactly in one float32 all-reduce (a warm-up call):
     ``Q`` as it was. Its ``sent`` are zeros: the caller puts the inputs
     there (nothing held back)."""
-    sums = list(jax.lax.psum(inputs, wire.axis))
+    sums = _blocks.psum_list(inputs, wire.axis)
     finite = []
     for total, split in zip(sums, wire.splits, strict=True):
         # A block's finiteness, agreed on over the axes that split its leaf.
@@ -315,7 +312,10 @@ def _matrix_split(
     or when the leaf is whole."""
     if not _blocks.axes_of(split):
         return None
-    parts = [_names(part) for part in (*split, *(None,) * (block.ndim - len(split)))]
+    parts = [
+        _tree.entry_axes(part)
+        for part in (*split, *(None,) * (block.ndim - len(split)))
+    ]
     first = 1 if _layered(block.shape, scanned) else 0
     rows, columns = parts[first:at], parts[at:]
     if any(rows[1:]) or any(columns[1:]):
@@ -323,17 +323,10 @@ def _matrix_split(
     return _MatrixSplit(parts[0] if first else (), rows[0], columns[0])
 
 
-def _names(part: Any) -> tuple[str, ...]:
-    if part is None:
-        return ()
-    return (part,) if isinstance(part, str) else tuple(part)
-
-
 def _axes_with(axis: Any, part: _MatrixSplit | None, which: str) -> Any:
     """``axis`` (the devices' axis, or ``()``) with ``part``'s axes of
     ``which`` dimension of the matrices."""
-    axes = (axis,) if isinstance(axis, str) else tuple(axis)
-    return (*axes, *(() if part is None else getattr(part, which)))
+    return (*_tree.entry_axes(axis), *(() if part is None else getattr(part, which)))
 
 
 def _index(axes: tuple[str, ...]) -> jax.Array:
@@ -391,16 +384,15 @@ def _own_block(whole: jax.Array, block: jax.Array, split: _blocks.Split) -> jax.
     )
 
 
-def _psum_list(values: list[jax.Array], axes: list[Any]) -> list[jax.Array]:
+def _grouped_psums(values: list[jax.Array], axes: list[Any]) -> list[jax.Array]:
     """Each value summed over its axes, those with the same axes in one
     (variadic) all-reduce."""
     out: list[Any] = [None] * len(values)
     for group in dict.fromkeys(axes):
         where = [i for i, a in enumerate(axes) if a == group]
+        summed = [values[i] for i in where]
         if group:
-            summed = jax.lax.psum([values[i] for i in where], group)
-        else:
-            summed = [values[i] for i in where]
+            summed = _blocks.psum_list(summed, group)
         for i, value in zip(where, summed, strict=True):
             out[i] = value
     return out

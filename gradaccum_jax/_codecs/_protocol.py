@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradaccum_jax._ternary import _blocks, _random
-from gradaccum_jax._ternary._blocks import AutoSplits
-from gradaccum_jax._ternary._leaves import shape_is_compressed
+from gradaccum_jax._compression import _blocks, _random
+from gradaccum_jax._compression._auto_splits import AutoSplits
+from gradaccum_jax._compression._leaves import shape_is_compressed
 
 
 class Wire(NamedTuple):
@@ -34,7 +34,7 @@ class Wire(NamedTuple):
       num_devices: the number of devices over ``axis``.
       device: int32, this device's index over ``axis``.
       splits: per leaf, how this device's input is a block of a leaf split
-        over other manual mesh axes (``_ternary._blocks.Split``, ``()``:
+        over other manual mesh axes (``_compression._blocks.Split``, ``()``:
         whole). A codec computes what depends on the whole leaf (a scale, a
         Gram matrix) with collectives over those axes and codes the block.
       leaves: per input, its index among all the leaves of the tree (the
@@ -94,7 +94,7 @@ class Codec(NamedTuple):
         this device's float32 inputs of the coded leaves (blocks, as
         ``wire.splits`` says), ``key`` the ``uint32[2]`` counter of this
         call (the same on every device: draw per device with
-        ``_ternary._random.stream(key, leaf, wire.device)``).
+        ``_compression._random.stream(key, leaf, wire.device)``).
       reports_sq_excess: whether ``sum`` fills `CodecSum.sq_excess` when
         asked.
       keeps_residual: False for a codec whose `CodecSum.sent` always equals
@@ -171,11 +171,6 @@ def from_rows(rows: jax.Array, like: jax.Array) -> jax.Array:
     return rows.reshape(-1)[: like.size].reshape(like.shape)
 
 
-def psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
-    """psum of several arrays in one (variadic) all-reduce."""
-    return list(jax.lax.psum(values, axis)) if values else []
-
-
 class CodecState(NamedTuple):
     """The state of `gradaccum_jax.compressed_average_across_devices`.
 
@@ -202,26 +197,3 @@ class CodecState(NamedTuple):
     def with_own_stream(self, index: int) -> CodecState:
         """This state drawing from a random stream of its own for ``index``."""
         return self._replace(key=_random.derive(self.key, index))
-
-
-def with_own_streams(state: Any, index: int) -> Any:
-    """``state`` with each random stream in it derived for ``index``.
-
-    One reduction's states used side by side (DiLoCo's fragments, each
-    reduced with the same ``outer_reduction``) would otherwise start from
-    the same seed and step, and draw alike. A state node that draws random
-    bits says how to give it a stream of its own: a ``with_own_stream(index)``
-    method (`CodecState`, `gradaccum_jax.TernaryState`); any other node is
-    returned as it is.
-    """
-
-    def has_stream(node: Any) -> bool:
-        return callable(getattr(node, "with_own_stream", None)) and isinstance(
-            node, tuple
-        )
-
-    return jax.tree.map(
-        lambda node: node.with_own_stream(index) if has_stream(node) else node,
-        state,
-        is_leaf=has_stream,
-    )

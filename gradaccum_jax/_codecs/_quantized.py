@@ -10,13 +10,11 @@ all-reduce (`_packing`).
 - 8 bits: the integers in [-127, 127].
 - 4 bits: E2M1, the 4-bit float of the microscaling formats and of
   Streaming DiLoCo: {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives, sent
-  doubled (integers in [-12, 12]). Measured against int4 ([-7, 7]) on
-  blocks of 32 at the same wire bytes (4 codes per uint32 word with 8
-  devices, either way), its rounding noise is smaller: 0.027 against 0.041
-  of the squared norm on Gaussian blocks, 0.048 against 0.092 on
-  heavy-tailed ones (Student t, 3 degrees of freedom):
-  ``python benchmarks/bench_codecs.py formats``. A block's values are
-  mostly small next to its largest, where E2M1's grid is finer.
+  doubled (integers in [-12, 12]). Against int4 ([-7, 7]) on blocks of
+  32 at the same wire bytes, its rounding noise is smaller, on Gaussian
+  and on heavy-tailed blocks (``python benchmarks/bench_codecs.py
+  formats``; the low-communication guide has the figures): a block's
+  values are mostly small next to its largest, where E2M1's grid is finer.
 """
 
 from __future__ import annotations
@@ -37,8 +35,8 @@ from gradaccum_jax._codecs._protocol import (
     from_rows,
     no_state,
 )
-from gradaccum_jax._ternary import _random
-from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
+from gradaccum_jax._compression import _random
+from gradaccum_jax._compression._leaves import DEFAULT_MIN_SIZE
 
 # Elements per scale: the microscaling formats' block.
 BLOCK = 32

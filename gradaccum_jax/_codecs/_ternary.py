@@ -11,15 +11,16 @@ import numpy as np
 from gradaccum_jax import _checks
 from gradaccum_jax._codecs import _packing
 from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least, no_state
-from gradaccum_jax._control import run_if
-from gradaccum_jax._ternary import _blocks, _random
-from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
-from gradaccum_jax._ternary._quantize import (
+from gradaccum_jax._codecs._ternary_kernels import (
+    biased,
     clip,
     scale_and_bound,
     stochastic_codes,
     validate_clip_sigma,
 )
+from gradaccum_jax._compression import _blocks, _random
+from gradaccum_jax._compression._leaves import DEFAULT_MIN_SIZE
+from gradaccum_jax._control import run_if
 
 _ROUNDINGS = ("stochastic", "nearest")
 
@@ -77,16 +78,6 @@ def ternary(
     if rounding is not None:
         rounding = _checks.one_of("rounding", rounding, _ROUNDINGS)
     min_size = _checks.nonnegative_int("min_size", min_size)
-    name = (
-        f"ternary(clip_sigma={clip_sigma}, rounding={rounding!r}, min_size={min_size})"
-    )
-    return ternary_codec(clip_sigma, rounding, min_size, name)
-
-
-def ternary_codec(
-    clip_sigma: float | None, rounding: str | None, min_size: int, name: str
-) -> Codec:
-    """`ternary`'s codec from checked arguments."""
 
     def codec_sum(inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire):
         stochastic = rounding == "stochastic" or (
@@ -123,13 +114,13 @@ def ternary_codec(
         return CodecSum(sums, sent, finite, state, sq_excess)
 
     return Codec(
-        name,
+        f"ternary(clip_sigma={clip_sigma}, rounding={rounding!r}, min_size={min_size})",
         at_least(min_size),
         no_state,
         codec_sum,
         reports_sq_excess=True,
-        # Unclipped TernGrad sends its input in expectation: nothing to keep.
-        keeps_residual=clip_sigma is not None or rounding != "stochastic",
+        # With error feedback, the default rounding is nearest.
+        keeps_residual=biased(rounding == "stochastic", clip_sigma),
     )
 
 
@@ -147,7 +138,14 @@ def _common_scales(
     def common(tight: bool) -> tuple[jax.Array, list[jax.Array]]:
         bounds, local_scales = [], []
         for x, split in zip(inputs, wire.splits, strict=True):
-            scale, bound, finite = _scale_and_bound(x, clip_sigma, split, tight)
+            scale, bound, finite = scale_and_bound(
+                x,
+                clip_sigma,
+                tight=tight,
+                split=split,
+                recheck_overflow=False,
+                per_layer=x.ndim >= 3,  # a scanned stack of layers
+            )
             bounds.append(bound)
             # A non-finite input is marked +inf, not NaN: max is guaranteed
             # to propagate inf to every device.
@@ -171,44 +169,6 @@ def _common_scales(
         jnp.reshape(scale, jnp.shape(bound))
         for scale, bound in zip(scales, bounds, strict=True)
     ], bounds
-
-
-def _scale_and_bound(
-    x: jax.Array, clip_sigma: float | None, split: _blocks.Split, tight: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`scale_and_bound` of ``x``, per layer of a scanned leaf.
-
-    A leaf of rank 3 or more is a stack of layers along its leading axis
-    (the params of a ``jax.lax.scan`` over layers): each layer gets a scale
-    of its own, as separate leaves would, instead of one set by the layer
-    of largest gradients. Shaped ``(layers, 1, ...)`` to broadcast; a
-    scalar for a leaf of rank 2 or less.
-    """
-    if x.ndim < 3:
-        return scale_and_bound(
-            x, clip_sigma, split=split, tight=tight, recheck_overflow=False
-        )
-    within = tuple(range(1, x.ndim))
-    # Reduced within each layer: over the blocks of the other dimensions.
-    others = (None, *split[1:]) if split else split
-    sum_sq = _blocks.total(jnp.sum(jnp.square(x), axis=within), others)
-    per_layer = _blocks.size(int(np.prod(x.shape[1:], dtype=np.int64)), others)
-    bound = (
-        jnp.full_like(sum_sq, jnp.inf)
-        if clip_sigma is None
-        else clip_sigma * jnp.sqrt(sum_sq / max(per_layer, 1))
-    )
-
-    if clip_sigma is None or tight:
-        largest = jnp.max(jnp.abs(x), axis=within, initial=0.0)
-        max_abs = _blocks.maximum(largest, others)
-        # A finite layer whose sum of squares overflows is left unclipped.
-        scale = jnp.minimum(max_abs, bound)
-        finite = ~jnp.isnan(sum_sq) & jnp.isfinite(max_abs)
-    else:  # an overflowed sum is rechecked after the pmax (`_common_scales`)
-        scale, finite = bound, jnp.isfinite(bound)
-    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-    return scale.reshape(shape), bound.reshape(shape), jnp.all(finite)
 
 
 def _nearest_codes(x: jax.Array, scale: jax.Array, bound: jax.Array) -> jax.Array:

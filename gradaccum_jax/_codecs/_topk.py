@@ -47,9 +47,9 @@ from gradaccum_jax._codecs._protocol import (
     at_least,
     from_rows,
     no_state,
-    psum_list,
 )
-from gradaccum_jax._ternary._leaves import DEFAULT_MIN_SIZE
+from gradaccum_jax._compression import _blocks
+from gradaccum_jax._compression._leaves import DEFAULT_MIN_SIZE
 
 _BITS = (1, 2, 4, 8, 32)
 _COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -161,7 +161,7 @@ def topk(
             >= _dense_bytes(x.size, wire.num_devices)
         ]
         dense_sent = [_dense_sent(inputs[j], selection) for j in dense]
-        dense_sums = psum_list(dense_sent, wire.axis)
+        dense_sums = _blocks.psum_list(dense_sent, wire.axis)
         leaves = {
             j: _Leaf(total, sent, jnp.all(jnp.isfinite(total)))
             for j, sent, total in zip(dense, dense_sent, dense_sums, strict=True)

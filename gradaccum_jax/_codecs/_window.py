@@ -6,7 +6,7 @@ window's mesh axes: plain arrays, checkpointable like the per-device
 window. A residual keeps its leaf's split over other axes (a
 tensor-parallel ``model`` split): each device codes, sends and keeps its
 own block. On an Auto mesh the types do not say the split: the terms are
-coded as ``init`` saw the params split (`_blocks.AutoSplits`), whole where it saw
+coded as ``init`` saw the params split (`_compression._auto_splits`), whole where it saw
 none.
 """
 
@@ -20,11 +20,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from gradaccum_jax import _checks, _placement, _reduction, _tree
-from gradaccum_jax._codecs import _auto_blocks, _mean
+from gradaccum_jax._codecs import _mean
 from gradaccum_jax._codecs._average import codec_argument
 from gradaccum_jax._codecs._protocol import Codec, CodecState
-from gradaccum_jax._ternary import _blocks
-from gradaccum_jax._ternary._leaves import NoResidual, keeps_no_array, real_leaves
+from gradaccum_jax._compression import _auto_splits, _blocks
+from gradaccum_jax._compression._leaves import NoResidual, keeps_no_array, real_leaves
 
 _CALLER = "compressed_window_reduction"
 
@@ -88,14 +88,38 @@ def compressed_window_reduction(
       A `gradaccum_jax.extend.WindowReduction` whose state is a
       `gradaccum_jax.extend.CodecState` (residuals stacked per device).
     """
+    return window_reduction(codec, seed, error_feedback, _CALLER)
+
+
+def window_reduction(
+    codec: Any,
+    seed: Any,
+    error_feedback: Any,
+    caller: str,
+    coder: str | None = None,
+) -> _reduction.WindowReduction:
+    """`compressed_window_reduction`, its messages naming ``caller`` (and
+    ``coder``, what codes the leaves: the codec by default)."""
     codec = codec_argument(codec)
     seed = _checks.prng_seed("seed", seed)
     error_feedback = _checks.boolean("error_feedback", error_feedback)
 
+    def config(layout: Any) -> _mean.Reduce:
+        axes = tuple(sorted(layout.axes))
+        return _mean.Reduce(
+            codec,
+            axes[0] if len(axes) == 1 else axes,
+            error_feedback,
+            mean=False,
+            # A codec that does not report its excess reports 0 (`CodecSum`).
+            report_sq_excess=codec.reports_sq_excess,
+            caller=caller,
+            coder=coder,
+        )
+
     def init_fn(params, layout):
-        real_leaves(params, f"{_CALLER}: params", f"the codec {codec.name}")
-        config = _config(codec, layout, error_feedback)
-        whole = _mean.state_init(config, params, seed)
+        real_leaves(params, f"{caller}: params", coder or f"the codec {codec.name}")
+        whole = _mean.state_init(config(layout), params, seed)
         leaves = jax.tree.leaves(params)
         shapes = [tuple(np.shape(leaf)) for leaf in leaves]
         parts = iter(_term_parts(layout, whole.auto_splits, leaves, shapes))
@@ -115,9 +139,7 @@ def compressed_window_reduction(
         )
 
     def reduce_fn(terms, layout, state):
-        # A codec that does not report its excess reports 0 (`CodecSum`).
-        config = _config(codec, layout, error_feedback, codec.reports_sq_excess)
-        return reduce_terms(config, terms, layout, state)
+        return reduce_terms(config(layout), terms, layout, state)
 
     return _reduction.WindowReduction(init_fn, reduce_fn, place=place_state)
 
@@ -162,7 +184,7 @@ def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
 
 def _term_parts(
     layout: Any,
-    seen: _blocks.AutoSplits,
+    seen: _auto_splits.AutoSplits,
     leaves: list[Any],
     shapes: list[tuple[int, ...]],
 ) -> list[_blocks.Split]:
@@ -182,16 +204,8 @@ def _term_parts(
         split = seen.splits[i] if i < len(seen.splits) else _blocks.WHOLE
         for axis in layout.axes:
             split = tuple(_placement.without_axis(part, axis) for part in split)
-        parts.append(split if _auto_blocks.fits(shape, split) else _blocks.WHOLE)
+        parts.append(split if _auto_splits.fits(shape, split) else _blocks.WHOLE)
     return parts
-
-
-def _config(
-    codec: Codec, layout: Any, error_feedback: bool, sq_excess: bool = False
-) -> _mean.Reduce:
-    axes = tuple(sorted(layout.axes))
-    axis = axes[0] if len(axes) == 1 else axes
-    return _mean.Reduce(codec, axis, error_feedback, False, sq_excess, _CALLER)
 
 
 def _device_spec(layout: Any, parts: tuple[Any, ...]) -> P:
@@ -308,7 +322,7 @@ def _residual_slots(
     none for the leaves after them (the weight, the statistics' terms)."""
     if len(leaves) < len(residuals):
         raise ValueError(
-            f"{_CALLER}: the window has {len(leaves)} leaves, but the state was "
+            f"{config.caller}: the window has {len(leaves)} leaves, but the state was "
             f"initialized with params of {len(residuals)}: initialize it with "
             "the params the gradients come from."
         )
@@ -318,7 +332,7 @@ def _residual_slots(
         if i >= len(residuals):
             if config.keeps_residual and _mean.compresses(config.codec, shape):
                 raise ValueError(
-                    f"{_CALLER}: the window's extra term {i - len(residuals)} "
+                    f"{config.caller}: the window's extra term {i - len(residuals)} "
                     f"(shape {shape}) would be compressed by {config.codec.name}, "
                     "which keeps no residual for it."
                 )

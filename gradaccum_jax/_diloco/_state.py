@@ -32,8 +32,8 @@ class DiLoCoState(NamedTuple):
         every worker.
       reduction_states: one ``outer_reduction`` state per fragment (a
         tuple), over the same lists: ``optax.EmptyState()`` for the default
-        mean, a `TernaryState` (PRNG counter and this worker's
-        error-feedback residual) for ``ternary_average_across_devices``.
+        mean, a `gradaccum_jax.extend.CodecState` (PRNG counter and this
+        worker's error-feedback residual) for a compressed mean.
       cycle_weights: float32 ``[fragments]``, the weight (e.g. tokens) this
         worker saw since each fragment's last sync.
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _weights
-from gradaccum_jax._codecs._mean import take_residual
-from gradaccum_jax._codecs._protocol import with_own_streams
+from gradaccum_jax._compression._error_feedback import take_residual
+from gradaccum_jax._compression._random import with_own_streams
 
 
 def wide(leaf: jax.Array) -> jax.Array:

@@ -165,7 +165,7 @@ class TermsLayout:
 
         ``fn(blocks, splits, state)`` sees each device's block of each term
         and how the term is split over the mesh axes other than the layout's
-        (a `gradaccum_jax._ternary._blocks.Split` per leaf: its partitions,
+        (a `gradaccum_jax._compression._blocks.Split` per leaf: its partitions,
         ``()`` for a block that is the whole term). What depends on the
         whole term (a sum, a maximum) ``fn`` computes with collectives over
         those axes. It returns the sums as blocks, and a state the same on

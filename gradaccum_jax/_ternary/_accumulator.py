@@ -17,23 +17,23 @@ from gradaccum_jax._accumulation import (
 )
 from gradaccum_jax._accumulation._configuration import configure
 from gradaccum_jax._accumulation._multisteps import configured_transformation
-from gradaccum_jax._reduction import WindowReduction
-from gradaccum_jax._statistic import WindowStatistic
-from gradaccum_jax._ternary import _random
-from gradaccum_jax._ternary._leaves import (
-    DEFAULT_MIN_SIZE,
-    NoResidual,
-    common_config,
-    is_compressed,
-    keeps_no_array,
-    real_leaves,
-)
-from gradaccum_jax._ternary._quantize import (
+from gradaccum_jax._codecs._ternary_kernels import (
+    checked_arguments,
     codes_from_bits,
     poison_if_nonfinite,
     scale_and_bound,
     ternary_dequantize,
 )
+from gradaccum_jax._compression import _random
+from gradaccum_jax._compression._leaves import (
+    DEFAULT_MIN_SIZE,
+    NoResidual,
+    is_compressed,
+    keeps_no_array,
+    real_leaves,
+)
+from gradaccum_jax._reduction import WindowReduction
+from gradaccum_jax._statistic import WindowStatistic
 from gradaccum_jax._window._accumulator import WindowAccumulator
 from gradaccum_jax._window._size import AdaptiveWindow
 
@@ -48,7 +48,7 @@ class TernaryAccumulatorState(NamedTuple):
 
     Attributes:
       key: ``uint32[2] = (seed, micro-step counter)``, the counter of the
-        random bits (see ``_ternary._random``), advanced on every micro-step
+        random bits (see ``_compression._random``), advanced on every micro-step
         that adds; kept by reset.
       code_sums: per leaf, the window's sum of ternary codes (int8, or int16
         when every_k > 127); for leaves smaller than ``min_size``, the exact
@@ -155,7 +155,7 @@ def _window_init(
 ) -> TernaryAccumulatorState:
     """An empty window: zero code sums (float32 sums for small leaves) and
     zero scales, with the seed's random stream."""
-    real_leaves(params, "ternary_accumulate: params")
+    real_leaves(params, "ternary_accumulate: params", "ternary compression")
 
     def code_sum_init(param):
         if is_compressed(param, min_size):
@@ -184,7 +184,7 @@ def _window_add(
     """The window with ``weight * grads`` added (see `_add_leaf`); the same
     window where ``weight`` is 0."""
     _checks.floating_leaves(grads, "ternary_accumulate: gradients")
-    real_leaves(grads, "ternary_accumulate: gradients")
+    real_leaves(grads, "ternary_accumulate: gradients", "ternary compression")
     _checks.same_structure(
         grads, acc.code_sums, "ternary_accumulate: gradients", "the parameters"
     )
@@ -281,8 +281,9 @@ def ternary_accumulate(
     """Gradient accumulation with a ternary accumulator (~1 byte per parameter).
 
     `MultiSteps` whose window sum is stored as integer sums of TernGrad codes
-    (Wen et al., NeurIPS 2017) plus one float32 scale per leaf, instead of a
-    float32 sum: about a quarter of the accumulator memory (int8 code sums,
+    (Wen et al., NeurIPS 2017) plus one float32 scale per leaf (a scanned
+    stack of layers too, unlike the ternary codec's scale per layer),
+    instead of a float32 sum: about a quarter of the accumulator memory (int8 code sums,
     or int16 when a window can exceed 127 micro-steps). The emitted gradient
     is an unbiased estimate of the window's (weighted) mean of the clipped
     micro-batch gradients, exactly unbiased for the mean of the gradients
@@ -346,7 +347,7 @@ def ternary_accumulate(
     """
     _no_noise_scale(every_k, track_noise_scale)
     code_sum_dtype = _code_sum_dtype(_window_limit(every_k, max_every_k))
-    seed, clip_sigma, min_size = common_config(seed, clip_sigma, min_size)
+    seed, clip_sigma, min_size = checked_arguments(seed, clip_sigma, min_size)
     accumulator = _ternary_window_accumulator(
         seed, clip_sigma, min_size, code_sum_dtype
     )
@@ -374,11 +375,9 @@ def _no_noise_scale(every_k: Any, track_noise_scale: Any) -> None:
 
     Its estimate needs ``|G_win|^2``, the squared norm of the window's sum.
     The codes' rounding adds its variance to the decoded sum's squared norm
-    and the accumulator keeps no float sum to take it from: on the
-    closed-form regression of ``benchmarks/bench_noise_scale.py
-    --ternary`` (256 parameters, windows of 4 micro-batches of 32
-    examples, run before this refusal) ``|G|^2`` came out 7.4 against a
-    truth of 1 and ``B_simple`` 41 against 513. Only the window knows its
+    and the accumulator keeps no float sum to take it from (on a
+    closed-form regression, before this refusal, ``|G|^2`` came out
+    several times the truth). Only the window knows its
     rounding (each micro-step's codes and re-roundings), so it is refused
     rather than reported wrong.
     """

@@ -9,21 +9,9 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _checks
-from gradaccum_jax._ternary import _random
-from gradaccum_jax._ternary._error_feedback import (
-    TernaryState,
-    keeps_residual,
-    residual_init,
-)
-from gradaccum_jax._ternary._leaves import (
-    DEFAULT_MIN_SIZE,
-    check_updates,
-    common_config,
-    is_compressed,
-    keeps_no_array,
-    real_leaves,
-)
-from gradaccum_jax._ternary._quantize import (
+from gradaccum_jax._codecs._ternary_kernels import (
+    biased,
+    checked_arguments,
     clip,
     poison_if_nonfinite,
     scale_and_bound,
@@ -31,6 +19,39 @@ from gradaccum_jax._ternary._quantize import (
     ternary_dequantize,
     ternary_quantize,
 )
+from gradaccum_jax._compression import _error_feedback, _random
+from gradaccum_jax._compression._leaves import (
+    DEFAULT_MIN_SIZE,
+    check_updates,
+    is_compressed,
+    keeps_no_array,
+    real_leaves,
+)
+
+_CODER = "ternary compression"
+
+
+class TernaryState(NamedTuple):
+    """The state of `ternarize`.
+
+    Attributes:
+      key: ``uint32[2] = (seed, step)``, the counter of the random bits,
+        advanced on every update (checkpointable).
+      residual: float32 compression bias per compressed leaf (the whole error
+        for TWN, the clipping error for TernGrad), added to the next step's
+        input (error feedback); a ``NoResidual`` (the leaf's shape, no array)
+        for leaves that keep no residual (uncompressed leaves,
+        ``error_feedback=False``, or TernGrad without clipping, which is
+        unbiased).
+    """
+
+    key: jax.Array
+    residual: optax.Updates
+
+    def with_own_stream(self, index: int) -> TernaryState:
+        """This state drawing from a random stream of its own for ``index``
+        (its seed word hashed with it; its step word kept)."""
+        return self._replace(key=_random.derive(self.key, index))
 
 
 def ternarize(
@@ -47,7 +68,11 @@ def ternarize(
     ``ternary_dequantize(*ternary_quantize(x, key, clip_sigma=clip_sigma))``
     (TernGrad's stochastic rounding, Wen et al., NeurIPS 2017, or TWN's
     threshold with ``stochastic=False``), in the update's dtype; smaller
-    leaves pass through unchanged. Leaves must be real floating point:
+    leaves pass through unchanged. Each leaf has one scale, a scanned stack
+    of layers (rank 3 or more) too, as `ternary_quantize` gives it; the
+    ternary codec of the device mean (`ternary_average_across_devices`)
+    gives each layer of such a leaf a scale of its own, since its devices
+    share one. Leaves must be real floating point:
     complex ones, of any size, are rejected (a ternary code has no
     imaginary part); sharded leaves give their unsharded result, sharded
     alike.
@@ -56,15 +81,15 @@ def ternarize(
     update plus the previous residual, and the new residual, kept in
     float32 in the state, is the compressor's bias ``x - E[C(x)]``: the
     whole error ``x - C(x)`` for TWN, the clipping error ``x - clip(x)`` for
-    TernGrad, whose rounding noise is unbiased and is not fed back (feeding
-    it back costs accuracy, see the module docstring). After T steps
+    TernGrad, whose rounding noise is unbiased and is not fed back (fed
+    back, it enlarges the next step's scale and so its noise). After T steps
     ``sum(E[sent]) + residual = sum(updates)`` (exactly, without the
     expectation, for TWN): nothing is lost, only delayed. A step with a
     non-finite update sends NaN (see `ternary_quantize`) and leaves the
     residual unchanged, so one bad step does not poison the following ones.
 
     The random bits are a hash of (seed, step, leaf, element) (see
-    ``_ternary._random``); the state keeps the seed and a step counter, so
+    ``_compression._random``); the state keeps the seed and a step counter, so
     the transformation is pure and a run is reproducible from ``seed``.
 
     Example:
@@ -95,22 +120,30 @@ def ternarize(
     Returns:
       An ``optax.GradientTransformation`` with a `TernaryState`.
     """
-    seed, clip_sigma, min_size = common_config(seed, clip_sigma, min_size)
+    seed, clip_sigma, min_size = checked_arguments(seed, clip_sigma, min_size)
     stochastic = _checks.boolean("stochastic", stochastic)
     error_feedback = _checks.boolean("error_feedback", error_feedback)
-    keep_residual = keeps_residual(error_feedback, stochastic, clip_sigma)
+    keep_residual = _error_feedback.keeps_residual(
+        error_feedback, biased(stochastic, clip_sigma)
+    )
+    config = _TernarizeConfig(stochastic, clip_sigma, min_size, keep_residual)
+
+    def coded(leaf):
+        return is_compressed(leaf, min_size)
 
     def init_fn(params):
-        real_leaves(params, "ternarize: params")
-        return TernaryState(
-            _random.seed_state(seed), residual_init(params, min_size, keep_residual)
-        )
-
-    config = _TernarizeConfig(stochastic, clip_sigma, min_size, keep_residual)
+        real_leaves(params, "ternarize: params", _CODER)
+        residual = _error_feedback.residual_init(params, coded, keep_residual)
+        return TernaryState(_random.seed_state(seed), residual)
 
     def update_fn(updates, state, params=None):
         del params
-        check_updates(updates, state.residual, "ternarize", min_size, keep_residual)
+        check_updates(updates, state.residual, "ternarize", _CODER)
+        if keep_residual:
+            coder = f"{_CODER} (min_size={min_size})"
+            _error_feedback.check_grown(
+                updates, state.residual, coded, "ternarize", coder
+            )
         return _ternarized(config, updates, state)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -167,5 +200,5 @@ def _compressed_leaf(
         codes, scale = ternary_quantize(x)
         sent = expected = ternary_dequantize(codes, scale)
     if config.keep_residual:
-        residual = jnp.where(jnp.isfinite(scale), x - expected, residual)
+        residual = _error_feedback.fed_back(x, expected, jnp.isfinite(scale), residual)
     return sent.astype(update.dtype), residual

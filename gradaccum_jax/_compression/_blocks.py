@@ -14,12 +14,13 @@ device gathers the others' blocks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from gradaccum_jax import _tree
 
 # Per dimension: None, a mesh axis name or a tuple of them; () when whole.
 Split = tuple[Any, ...]
@@ -27,36 +28,9 @@ Split = tuple[Any, ...]
 WHOLE: Split = ()
 
 
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class AutoSplits:
-    """How each param leaf was split over Auto mesh axes when ``init`` saw it.
-
-    On Auto axes the types under ``jax.jit`` do not say how the compiler
-    split a leaf, so a codec would code it whole and XLA would move the
-    codes over ``model`` to lay them out. ``init`` given placed arrays (not
-    traced) reads each one's split from its sharding and keeps it here, and
-    the reduction codes each device's block where it lies (see
-    `gradaccum_jax._codecs._auto_blocks`). A static pytree node: it is
-    part of the tree definition, holds no array, and passes through
-    ``jax.jit`` and checkpoints (restored into the target ``init`` made).
-
-    Attributes:
-      splits: per param leaf, a ``PartitionSpec``-like tuple of its entries
-        over Auto axes (``()``: whole, or not known); ``()`` for all when no
-        leaf is known to be split.
-    """
-
-    splits: tuple[Split, ...] = ()
-
-
 def axes_of(split: Split) -> tuple[str, ...]:
     """The mesh axes ``split`` cuts the leaf over, in order."""
-    axes: list[str] = []
-    for part in split:
-        if part is not None:
-            axes.extend((part,) if isinstance(part, str) else part)
-    return tuple(axes)
+    return tuple(axis for part in split for axis in _tree.entry_axes(part))
 
 
 def whole_shape(block_shape: tuple[int, ...], split: Split) -> tuple[int, ...]:
@@ -100,3 +74,8 @@ def size(block_size: int, split: Split) -> int:
     """The number of elements of the leaf whose block has ``block_size``."""
     counts = [jax.lax.axis_size(axis) for axis in axes_of(split)]
     return functools.reduce(lambda a, b: a * b, counts, block_size)
+
+
+def psum_list(values: list[jax.Array], axis: Any) -> list[jax.Array]:
+    """psum of several arrays over ``axis`` in one (variadic) all-reduce."""
+    return list(jax.lax.psum(values, axis)) if values else []

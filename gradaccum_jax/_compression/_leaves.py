@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax import _checks
-from gradaccum_jax._ternary._quantize import validate_clip_sigma
 
 # Leaves with fewer elements than this are left uncompressed by default.
 # Below a few hundred elements (biases, LayerNorm scales, the last layer's
@@ -26,16 +25,6 @@ from gradaccum_jax._ternary._quantize import validate_clip_sigma
 # leaves are a negligible share of a model's bytes, so keeping them exact is
 # almost free.
 DEFAULT_MIN_SIZE = 256
-
-
-def common_config(
-    seed: Any, clip_sigma: Any, min_size: Any
-) -> tuple[int, float | None, int]:
-    return (
-        _checks.prng_seed("seed", seed),
-        validate_clip_sigma(clip_sigma),
-        _checks.nonnegative_int("min_size", min_size),
-    )
 
 
 @jax.tree_util.register_static
@@ -52,7 +41,7 @@ class NoResidual:
     shape: tuple[int, ...]
 
 
-def real_leaves(tree: Any, what: str, coder: str = "ternary compression") -> None:
+def real_leaves(tree: Any, what: str, coder: str) -> None:
     """Raises, naming the leaf and ``coder``, if any leaf of ``tree`` is
     complex.
 
@@ -90,22 +79,12 @@ def keeps_no_array(node: Any) -> bool:
     return isinstance(node, NoResidual)
 
 
-def check_updates(
-    updates: Any,
-    template: Any,
-    caller: str,
-    min_size: int | None = None,
-    keep_residual: bool = False,
-    coder: str = "ternary compression",
-) -> None:
+def check_updates(updates: Any, template: Any, caller: str, coder: str) -> None:
     """Raises, naming the leaf, if ``updates`` do not match a state template.
 
     ``template`` is shaped like the params: arrays, or a `NoResidual`
-    recording the shape where the state keeps no array. With ``keep_residual``,
-    a leaf must also be compressed exactly where the template holds a
-    residual (``min_size`` decides): a small leaf that grew past
-    ``min_size`` would have no residual to use. ``coder`` names what codes
-    them, for messages.
+    recording the shape where the state keeps no array. ``coder`` names
+    what codes them, for messages.
     """
     _checks.floating_leaves(updates, f"{caller}: updates")
     real_leaves(updates, f"{caller}: updates", coder)
@@ -119,19 +98,10 @@ def check_updates(
     leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
     slots = jax.tree.leaves(template, is_leaf=keeps_no_array)
     for (path, leaf), slot in zip(leaves, slots, strict=True):
-        name = jax.tree_util.keystr(path)
-        grown = keep_residual and min_size is not None and is_compressed(leaf, min_size)
-        if grown and keeps_no_array(slot):
-            raise ValueError(
-                f"{caller}: updates leaf {name} has shape "
-                f"{np.shape(leaf)} ({np.size(leaf)} elements, compressed since "
-                f"min_size={min_size}), but the state was initialized with a "
-                "leaf too small to compress there (no residual): initialize "
-                "the state with the parameters the updates come from."
-            )
         if isinstance(slot, NoResidual) and np.shape(leaf) != slot.shape:
             raise ValueError(
-                f"{caller}: updates leaf {name} has shape {np.shape(leaf)}, but "
+                f"{caller}: updates leaf {jax.tree_util.keystr(path)} has shape "
+                f"{np.shape(leaf)}, but "
                 "the parameters the state was initialized with have shape "
                 f"{slot.shape} there."
             )

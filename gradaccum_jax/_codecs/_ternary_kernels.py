@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum_jax import _checks
+from gradaccum_jax._compression import _blocks, _random
 from gradaccum_jax._control import run_if
-from gradaccum_jax._ternary import _blocks, _random
 
 # TWN (Li & Liu 2016): delta = 0.7 * E|x| approximates the threshold that
 # minimizes the L2 error of a ternary code for uniform or Gaussian values.
@@ -38,6 +38,24 @@ def validate_clip_sigma(value: Any) -> float | None:
     return _checks.positive_finite("clip_sigma", value)
 
 
+def checked_arguments(
+    seed: Any, clip_sigma: Any, min_size: Any
+) -> tuple[int, float | None, int]:
+    """Validates the arguments every ternary transformation takes."""
+    return (
+        _checks.prng_seed("seed", seed),
+        validate_clip_sigma(clip_sigma),
+        _checks.nonnegative_int("min_size", min_size),
+    )
+
+
+def biased(stochastic: bool, clip_sigma: float | None) -> bool:
+    """Whether ternary codes have a bias for error feedback to keep: TWN's
+    and nearest codes always, TernGrad's when it clips (unclipped, it sends
+    its input in expectation; see `gradaccum_jax._compression._error_feedback`)."""
+    return not stochastic or clip_sigma is not None
+
+
 def scale_and_bound(
     x: jax.Array,
     clip_sigma: float | None,
@@ -46,6 +64,7 @@ def scale_and_bound(
     tight: bool = False,
     split: _blocks.Split = _blocks.WHOLE,
     recheck_overflow: bool = True,
+    per_layer: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The scale and clipping bound of ``v``, and whether v is all finite.
 
@@ -91,30 +110,43 @@ def scale_and_bound(
     ``x`` may be one device's block of the tensor, split as ``split`` over
     manual mesh axes (see `_blocks`): the sum and the maximum then cover
     the whole tensor, one scalar collective each.
+
+    With ``per_layer``, ``x`` (of rank 2 or more) is a stack of layers
+    along its leading axis (the params of a ``jax.lax.scan`` over layers):
+    each layer gets a scale and a bound of its own, as separate leaves
+    would, shaped ``(layers, 1, ...)`` to broadcast against ``x``, and
+    ``finite`` says whether every layer is (the ternary codec's rule; a
+    leaf coded alone, by `ternary_quantize`, `ternarize` or
+    `ternary_accumulate`, has one scale).
     """
-    sum_sq = _blocks.total(jnp.sum(jnp.square(x)), split)
+    within = tuple(range(1, x.ndim)) if per_layer else None
+    # A layer is reduced over the blocks of its other dimensions.
+    over = (None, *split[1:]) if per_layer and split else split
+    sum_sq = _blocks.total(jnp.sum(jnp.square(x), axis=within), over)
     magnitude = jnp.float32(1.0) if weight is None else jnp.abs(weight)
+    layer = jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if per_layer else x
+    count = element_count(layer, over)
     bound = (
-        jnp.float32(jnp.inf)
+        jnp.full(jnp.shape(sum_sq), jnp.inf, jnp.float32)
         if clip_sigma is None
-        else clip_sigma * magnitude * jnp.sqrt(sum_sq / element_count(x, split))
+        else clip_sigma * magnitude * jnp.sqrt(sum_sq / count)
     )
 
     def tight_scale(_: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         # Two plain reductions, not one variadic (max, sum) reduce: XLA:CPU
-        # runs plain ones as YNNPACK kernels, and a variadic one through its
-        # generic reduction loop, measured 1.4x slower than both plain ones
-        # together on 16 MB (3.6x on 4 MB).
-        max_abs = magnitude * _blocks.maximum(jnp.max(jnp.abs(x), initial=0.0), split)
+        # runs plain ones as fast kernels, a variadic one through its
+        # generic reduction loop, slower than both plain ones together.
+        largest = jnp.max(jnp.abs(x), axis=within, initial=0.0)
+        max_abs = magnitude * _blocks.maximum(largest, over)
         # A non-finite weight makes v non-finite; |w| * max|x| is then inf
         # or NaN, and NaN is not finite either. An overflowed sum of squares
         # (inf) leaves an infinite bound: no clipping.
         finite = ~jnp.isnan(sum_sq) & jnp.isfinite(max_abs)
         return jnp.minimum(max_abs, bound), bound, finite
 
-    if clip_sigma is not None and not tight and not recheck_overflow:
-        return bound, bound, jnp.isfinite(bound)
-    if clip_sigma is not None and not tight:
+    if clip_sigma is not None and not tight and (per_layer or not recheck_overflow):
+        scale, bound, finite = bound, bound, jnp.isfinite(bound)
+    elif clip_sigma is not None and not tight:
         # The sum of squares is +inf for an infinite x and for a finite one
         # that overflows it: only then is max|x| read, to tell them apart.
         # A cond of scalars (a select of both where its predicate is mapped
@@ -122,10 +154,15 @@ def scale_and_bound(
         # whose predicate a map over workers all-reduces.
         loose = (bound, bound, jnp.isfinite(bound))
         return run_if(jnp.isinf(sum_sq), tight_scale, loose)
-    return tight_scale(None)
+    else:
+        scale, bound, finite = tight_scale(None)
+    if not per_layer:
+        return scale, bound, finite
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    return scale.reshape(shape), bound.reshape(shape), jnp.all(finite)
 
 
-def element_count(x: jax.Array, split: _blocks.Split = _blocks.WHOLE) -> jax.Array:
+def element_count(x: Any, split: _blocks.Split = _blocks.WHOLE) -> jax.Array:
     """The number of elements of the leaf whose block is ``x``, as float32
     (at least 1, the divisor of a mean over them).
 

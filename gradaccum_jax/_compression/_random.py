@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax import _tree
-from gradaccum_jax._ternary import _blocks
+from gradaccum_jax._compression import _blocks
 
 # Resolution of a Bernoulli draw: the top PROBABILITY_BITS bits of a hash.
 PROBABILITY_BITS = 24
@@ -169,10 +169,9 @@ def element_index(
     indices depend on nothing a loop carries, and XLA hoists them out of
     the loop that draws the bits (a window's emission, DiLoCo's sync, each
     of which runs on some calls only): a uint32 array the size of the leaf,
-    then written on every call, whether the loop runs or not (a ternary
-    window took 1.37x longer at 4.2M params; the offsets of the blocks of a
-    tensor-parallel leaf, untied, did the same). Tied to the key, they are
-    computed in the loop, fused into the rounding.
+    then written on every call, whether the loop runs or not (the offsets
+    of the blocks of a tensor-parallel leaf, untied, did the same). Tied to
+    the key, they are computed in the loop, fused into the rounding.
 
     A block of a leaf split as ``split`` numbers its elements from its
     offsets in the whole leaf, with the whole leaf's strides.
@@ -211,3 +210,26 @@ def bernoulli(random_bits: jax.Array, threshold_: jax.Array) -> jax.Array:
     """
     top = (random_bits >> (32 - PROBABILITY_BITS)).astype(jnp.int32)
     return top < threshold_
+
+
+def with_own_streams(state: Any, index: int) -> Any:
+    """``state`` with each random stream in it derived for ``index``.
+
+    One reduction's states used side by side (DiLoCo's fragments, each
+    reduced with the same ``outer_reduction``) would otherwise start from
+    the same seed and step, and draw alike. A state node that draws random
+    bits says how to give it a stream of its own: a ``with_own_stream(index)``
+    method (a codec's `CodecState`, `gradaccum_jax.TernaryState`); any other node is
+    returned as it is.
+    """
+
+    def has_stream(node: Any) -> bool:
+        return callable(getattr(node, "with_own_stream", None)) and isinstance(
+            node, tuple
+        )
+
+    return jax.tree.map(
+        lambda node: node.with_own_stream(index) if has_stream(node) else node,
+        state,
+        is_leaf=has_stream,
+    )
