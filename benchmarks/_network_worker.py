@@ -68,6 +68,7 @@ import sys
 import time
 from typing import Any
 
+import _digits
 import numpy as np
 
 AXIS = "data"
@@ -95,7 +96,7 @@ TIMING_LAYERS = (256, 2048, 2048, 10)
 TIMING_PER_DEVICE_BATCH = 4
 
 # Accuracy model on load_digits: 64 -> 128 -> 10, 16 examples per device.
-DIGITS_LAYERS = (64, 128, 10)
+DIGITS_LAYERS = _digits.LAYERS
 DIGITS_PER_DEVICE_BATCH = 16
 DIGITS_LEARNING_RATE = 0.1
 
@@ -161,34 +162,6 @@ def diloco_codec(variant: str):
     }[variant]
 
 
-def init_mlp(layers: tuple[int, ...], seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    params = {}
-    for i, (n_in, n_out) in enumerate(zip(layers[:-1], layers[1:], strict=True)):
-        w = rng.normal(size=(n_in, n_out)) / np.sqrt(n_in)
-        params[f"w{i}"] = w.astype(np.float32)
-        params[f"b{i}"] = np.zeros((n_out,), np.float32)
-    return params
-
-
-def logits_fn(params, x):
-    import jax
-
-    num_layers = len(params) // 2
-    for i in range(num_layers):
-        x = x @ params[f"w{i}"] + params[f"b{i}"]
-        if i < num_layers - 1:
-            x = jax.nn.relu(x)
-    return x
-
-
-def loss_fn(params, x, y):
-    import optax
-
-    logits = logits_fn(params, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
 class DataParallel:
     """A jitted data-parallel train step over a 1-D mesh of ``devices``.
 
@@ -224,7 +197,7 @@ class DataParallel:
             # transformation averages the gradients (or DiLoCo's outer
             # gradients, at a sync) across devices.
             params = local(params)
-            grads = jax.grad(loss_fn)(params, x, y)
+            grads = jax.grad(_digits.loss)(params, x, y)
             updates, state = tx.update(grads, local(state), params)
             return stacked(optax.apply_updates(params, updates)), stacked(state)
 
@@ -263,18 +236,13 @@ class DataParallel:
 def received_bytes(compiled: Any) -> dict[str, float]:
     """Bytes each device receives per call of ``compiled``, by place:
     ``"entry"`` on every call, ``"loop"`` once per trip of a loop (DiLoCo's
-    sync, accumulation's emission). Every collective, by the ring estimates:
-    an all-reduce of S bytes over n devices 2 (n - 1) / n S, the others
-    (n - 1) / n of their larger buffer."""
+    sync, accumulation's emission). Every collective, by the ring estimate
+    (`gradaccum_jax.measure.Collective.received_nbytes`)."""
     import gradaccum_jax as ga
 
     received: dict[str, float] = {}
     for c in ga.measure.collectives(compiled):
-        size = (
-            2 * c.nbytes if c.kind == "all-reduce" else max(c.nbytes, c.operand_nbytes)
-        )
-        share = (c.group_size - 1) / c.group_size * size
-        received[c.place] = received.get(c.place, 0.0) + share
+        received[c.place] = received.get(c.place, 0.0) + c.received_nbytes
     return received
 
 
@@ -313,7 +281,7 @@ def time_variant(
         make_optimizer(variant, LEARNING_RATE),
         per_device_params=variant in DILOCO_VARIANTS,
     )
-    params, state = trainer.init(init_mlp(TIMING_LAYERS, seed=0))
+    params, state = trainer.init(_digits.init_mlp(TIMING_LAYERS, seed=0))
     num_params = sum(int(p.size) for p in jax.tree.leaves(params)) // n
     rng = np.random.default_rng(1)
     batch = n * per_device_batch
@@ -377,18 +345,6 @@ def time_variant(
     return result
 
 
-def load_digits_split() -> tuple[np.ndarray, ...]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    return train_test_split(
-        x, digits.target.astype(np.int32), test_size=0.2, random_state=0,
-        stratify=digits.target,
-    )  # fmt: skip
-
-
 def train_digits(
     devices: list[Any], variant: str, seed: int, updates: int
 ) -> dict[str, Any]:
@@ -400,7 +356,7 @@ def train_digits(
     """
     import jax
 
-    x_train, x_test, y_train, y_test = load_digits_split()
+    x_train, x_test, y_train, y_test = _digits.split()
     n = len(devices)
     batch = n * DIGITS_PER_DEVICE_BATCH
     steps = updates * (EVERY_K if variant == "accum8" else 1)
@@ -409,7 +365,7 @@ def train_digits(
         make_optimizer(variant, DIGITS_LEARNING_RATE, seed=seed),
         per_device_params=variant in DILOCO_VARIANTS,
     )
-    params, state = trainer.init(init_mlp(DIGITS_LAYERS, seed=seed))
+    params, state = trainer.init(_digits.init_mlp(DIGITS_LAYERS, seed=seed))
     rng = np.random.default_rng(seed)
     order = np.concatenate(
         [
@@ -428,7 +384,7 @@ def train_digits(
     trained = state.anchor if trainer.per_device_params else params
     host = jax.tree.map(lambda leaf: np.asarray(leaf.addressable_data(0))[0], trained)
     seconds = time.perf_counter() - start
-    predictions = np.argmax(np.asarray(logits_fn(host, x_test)), axis=-1)
+    predictions = np.argmax(np.asarray(_digits.logits(host, x_test)), axis=-1)
     return {
         "variant": variant,
         "seed": seed,

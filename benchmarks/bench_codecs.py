@@ -4,9 +4,10 @@
 step over 8 emulated CPU devices and a 4.2M-parameter model (4 float32
 matrices of 1024 x 1024 and a 1024 bias) is compiled, and the bytes each
 device receives are read from its HLO with
-``gradaccum_jax.measure.collectives``, every collective counted by the ring
-estimates (an all-reduce of S bytes over n devices 2 (n - 1) / n S, an
-all-gather or all-to-all of S (n - 1) / n S); the float32 mean
+``gradaccum_jax.measure.collectives``, every collective counted by its
+ring estimate (``Collective.received_nbytes``: an all-reduce of S bytes
+over n devices 2 (n - 1) / n S, an all-gather or all-to-all of S
+(n - 1) / n S, a reduce-scatter (n - 1) / n of its operand); the float32 mean
 (``average_across_devices``) is the reference. Nothing runs.
 
 ``formats``: the relative squared error (``|Q(x) - x|^2 / |x|^2``) of
@@ -60,29 +61,23 @@ Run: ``python benchmarks/bench_codecs.py [bytes|formats|steps|select]``
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import resource
 import statistics
 import time
 from typing import Any
 
+import _devices
+import _digits
 import numpy as np
 
 DEVICES = 8
 SIDE = 1024
 
 
-def _emulate_devices() -> None:
-    """DEVICES CPU devices (read once, before JAX's first computation)."""
-    flag = f"--xla_force_host_platform_device_count={DEVICES}"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + flag
-
-
 def wire_bytes() -> dict[str, float]:
     """Received bytes per device of one mean, by codec."""
-    _emulate_devices()
+    _devices.emulate(DEVICES)
     import jax
     import jax.numpy as jnp
 
@@ -132,12 +127,9 @@ def wire_bytes() -> dict[str, float]:
             .lower(per_device(params), per_device(state))
             .compile()
         )
-        total = 0.0
-        for op in ga.measure.collectives(compiled):
-            n = op.group_size
-            share = 2 * (n - 1) / n if op.kind == "all-reduce" else (n - 1) / n
-            total += share * op.nbytes
-        received[name] = total
+        received[name] = sum(
+            op.received_nbytes for op in ga.measure.collectives(compiled)
+        )
     return received
 
 
@@ -196,28 +188,6 @@ def step_codecs() -> dict[str, Any]:
     }
 
 
-def _mlp_loss(params, x, y):
-    import jax
-    import optax
-
-    layers = len(params) // 2
-    for i in range(layers):
-        x = x @ params[f"w{i}"] + params[f"b{i}"]
-        if i < layers - 1:
-            x = jax.nn.relu(x)
-    return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
-
-
-def _mlp_params() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    params = {}
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(STEP_LAYERS)):
-        w = rng.normal(size=(fan_in, fan_out)) / np.sqrt(fan_in)
-        params[f"w{i}"] = w.astype(np.float32)
-        params[f"b{i}"] = np.zeros(fan_out, np.float32)
-    return params
-
-
 def train_step(tx, layout: str, mesh):
     """A jitted, donated train step of every worker: the gradient of its own
     examples, ``tx``'s update, the params stepped; and its initial state.
@@ -234,12 +204,12 @@ def train_step(tx, layout: str, mesh):
 
     import gradaccum_jax as ga
 
-    host = _mlp_params()
+    host = _digits.init_mlp(STEP_LAYERS, seed=0)
     if layout == "stacked":
         with jax.set_mesh(mesh):
             params = ga.stack_workers(host, "i")
             state = ga.stack_workers(jax.jit(tx.init)(host), "i")
-        worker_grad = ga.worker_value_and_grad(_mlp_loss, "i")
+        worker_grad = ga.worker_value_and_grad(_digits.loss, "i")
 
         def stacked_step(params, state, x, y):
             _, grads = worker_grad(params, x, y)
@@ -256,7 +226,7 @@ def train_step(tx, layout: str, mesh):
 
     def device_step(params, state, x, y):
         params = local(params)
-        grads = jax.grad(_mlp_loss)(params, x, y)
+        grads = jax.grad(_digits.loss)(params, x, y)
         updates, state = tx.update(grads, local(state), params)
         return stacked(optax.apply_updates(params, updates)), stacked(state)
 
@@ -281,7 +251,7 @@ def step_times(
     call that does not sync and of one that does (see the docstring), with
     one worker of ``batch`` examples on each of ``workers`` devices of the
     default backend."""
-    _emulate_devices()
+    _devices.emulate(DEVICES)
     import jax
     import optax
     from jax.sharding import AxisType
@@ -457,7 +427,7 @@ def main() -> None:
         for name, total in received.items():
             print(f"  {name:48s} {total:10.0f}  1/{reference / total:.1f}")
     if args.part in ("steps", "all"):
-        _emulate_devices()  # before jax.devices() starts the CPU backend
+        _devices.emulate(DEVICES)  # before jax.devices() starts the CPU backend
         import jax
 
         if not 1 <= args.workers <= len(jax.devices()):

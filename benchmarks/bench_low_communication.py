@@ -79,9 +79,10 @@ Bytes are read from the compiled HLO of one pmapped train step with
 `gradaccum_jax.measure.collectives`, not computed on paper: a collective in
 the entry computation runs on every step, one inside a while loop's body
 (the sync, which runs in a loop of zero or one trip) once per sync. Bytes
-are what each device receives, by the ring estimates, for every collective
-and every method: an all-reduce of S bytes over n devices 2 (n - 1) / n S,
-an all-gather of output S (n - 1) / n S. A codec's warm-up puts its
+are what each device receives, by the ring estimate of every collective
+(``Collective.received_nbytes``: an all-reduce of S bytes over n devices
+2 (n - 1) / n S, an all-gather of output S (n - 1) / n S), for every
+method. A codec's warm-up puts its
 float32 all-reduce and its factors' in the two branches of a cond, which
 the HLO does not tell apart: its bytes are those of the float32 step (or
 window) for the warm-up calls and of the same codec without warm-up for
@@ -111,13 +112,9 @@ DiLoCo H=32"] [--sparse-density 0.018] [--sparse-outer-lr 2]``
 
 from __future__ import annotations
 
-import os
+import _devices
 
-# 8 emulated devices; XLA reads the flag once, before jax is imported.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_devices.emulate(8)  # before jax is imported
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -573,16 +570,6 @@ def step_collectives(method: Method, task: Task) -> list[ga.measure.Collective]:
     return ga.measure.collectives(compiled)
 
 
-def received_bytes(collective: ga.measure.Collective) -> float:
-    """What each device receives in one run of ``collective`` (ring estimates)."""
-    n = collective.group_size
-    if collective.kind == "all-reduce":
-        return 2 * (n - 1) / n * collective.nbytes
-    if collective.kind in ("all-gather", "all-to-all", "collective-permute"):
-        return (n - 1) / n * max(collective.nbytes, collective.operand_nbytes)
-    return (n - 1) / n * collective.operand_nbytes  # reduce-scatter
-
-
 def bytes_sent(
     collectives: list[ga.measure.Collective], steps: int, syncs: int
 ) -> float:
@@ -591,7 +578,7 @@ def bytes_sent(
     unexpected = [c for c in collectives if c.place not in runs]
     if unexpected:
         raise ValueError(f"collectives outside the entry or a loop: {unexpected}")
-    return sum(received_bytes(c) * runs[c.place] for c in collectives)
+    return sum(c.received_nbytes * runs[c.place] for c in collectives)
 
 
 def measure(task: Task, chosen: list[Method], seeds: list[int], steps: int) -> dict:
@@ -682,7 +669,7 @@ def main() -> None:
     )
     _headline.add_argument(parser)
     args = parser.parse_args()
-    where = f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores"
+    where = _devices.machine()
     if args.replot:
         for path in redraw(Path(args.plot_dir), where):
             print(f"wrote {path}")
@@ -704,6 +691,7 @@ def main() -> None:
     curves = measure(task, chosen, seeds, args.steps)
     global_batch = NUM_DEVICES * task.per_device_batch
     record = {
+        "args": sys.argv[1:],  # the command that made these figures
         "model": task.name,
         "num_params": int(sum(np.size(a) for a in jax.tree.leaves(task.init(0)))),
         "devices": NUM_DEVICES,

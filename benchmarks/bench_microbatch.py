@@ -29,7 +29,6 @@ cores; ``--help`` for sizes).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
@@ -38,6 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _devices
+import _digits
 import jax
 import jax.numpy as jnp
 import optax
@@ -48,26 +49,15 @@ from gradaccum_jax import microbatched_value_and_grad
 MICROBATCH_COUNTS = (1, 2, 4, 8)
 
 
-def init_mlp(
-    key: jax.Array, in_dim: int, width: int, depth: int, classes: int
-) -> dict[str, Any]:
-    """He-initialised MLP parameters: ``depth`` hidden layers of ``width``."""
-    dims = [in_dim] + [width] * depth + [classes]
-    layers = []
-    for fan_in, fan_out in zip(dims[:-1], dims[1:], strict=True):
-        key, subkey = jax.random.split(key)
-        weight = jax.random.normal(subkey, (fan_in, fan_out)) * (2.0 / fan_in) ** 0.5
-        layers.append({"w": weight, "b": jnp.zeros((fan_out,))})
-    return {"layers": layers}
+def init_mlp(args: argparse.Namespace) -> dict[str, jax.Array]:
+    """The MLP's params: ``depth`` hidden layers of ``width``, on the device."""
+    layers = (args.in_dim, *(args.width,) * args.depth, args.classes)
+    return jax.tree.map(jnp.asarray, _digits.init_mlp(layers, seed=0))
 
 
 def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean softmax cross-entropy of the MLP over the batch."""
-    hidden = batch["x"]
-    *hidden_layers, last = params["layers"]
-    for layer in hidden_layers:
-        hidden = jax.nn.gelu(hidden @ layer["w"] + layer["b"])
-    logits = hidden @ last["w"] + last["b"]
+    """Mean softmax cross-entropy of the MLP (GELU between layers)."""
+    logits = _digits.logits(params, batch["x"], jax.nn.gelu)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     return jnp.mean(losses)
 
@@ -134,8 +124,8 @@ def sharded_collectives(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     count = 8
-    key_params, key_x, key_y = jax.random.split(jax.random.PRNGKey(0), 3)
-    params = init_mlp(key_params, args.in_dim, args.width, args.depth, args.classes)
+    _, key_x, key_y = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = init_mlp(args)
     size = jax.device_count() * count * 4
     batch = {
         "x": jax.random.normal(key_x, (size, args.in_dim)),
@@ -211,8 +201,8 @@ def main() -> None:
         sharded_collectives(args)
         return
 
-    key_params, key_x, key_y = jax.random.split(jax.random.PRNGKey(0), 3)
-    params = init_mlp(key_params, args.in_dim, args.width, args.depth, args.classes)
+    _, key_x, key_y = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = init_mlp(args)
     batch = {
         "x": jax.random.normal(key_x, (args.batch, args.in_dim)),
         "y": jax.random.randint(key_y, (args.batch,), 0, args.classes),
@@ -267,12 +257,7 @@ def main() -> None:
     # The collective table needs 8 devices, which would change the timings
     # above: it runs in a child process with its own XLA flags, on the CPU
     # (on a one-GPU machine jax would otherwise pick the GPU, one device).
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip(),
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = _devices.child_env(8)
     forwarded = [
         f"--{name}={getattr(args, name.replace('-', '_'))}"
         for name in ("in-dim", "width", "depth", "classes")

@@ -42,15 +42,14 @@ Run: ``python benchmarks/bench_noise_scale.py [--runs 400] [--windows 100]
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
 
+import _devices
+
 if "--ternary" in sys.argv:  # before jax is imported: 8 devices to reduce over
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
+    _devices.emulate(8)
 
 import bench_accumulation
 import jax

@@ -74,6 +74,8 @@ import time
 import traceback
 from pathlib import Path
 
+import _devices
+
 import _headline
 
 HERE = Path(__file__).resolve().parent
@@ -654,17 +656,11 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp())
     for devices in sorted({c[1] for c in configs}):
         out = scratch / f"scale_{devices}.json"
-        env = dict(os.environ)
-        # XLA reads the flags once, when its CPU backend starts: one process
-        # per device count. LLVM at -O0 takes about a third less CPU time to
-        # compile; memory and collectives are decided before it, by XLA's
-        # HLO passes (buffer assignment, SPMD partitioning), and unchanged.
-        flags = (
-            f"--xla_force_host_platform_device_count={devices}",
-            "--xla_backend_optimization_level=0",
-        )
-        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
-        env.setdefault("JAX_PLATFORMS", "cpu")
+        # One process per device count. LLVM at -O0 takes about a third
+        # less CPU time to compile; memory and collectives are decided
+        # before it, by XLA's HLO passes (buffer assignment, SPMD
+        # partitioning), and unchanged.
+        env = _devices.child_env(devices, "--xla_backend_optimization_level=0")
         env["PYTHONPATH"] = os.pathsep.join(
             [str(HERE.parent), *filter(None, [env.get("PYTHONPATH")])]
         )
@@ -684,6 +680,8 @@ def main() -> None:
         subprocess.run(command, check=True, env=env)
         results += json.loads(out.read_text())
         out.unlink()
+    for result in results:  # the command that made each row
+        result["args"] = sys.argv[1:]
     scratch.rmdir()
     if args.plots:
         plots = Path(args.plots)

@@ -23,13 +23,9 @@ Run: ``python benchmarks/bench_sharded.py [--params 4200000] [--k 8]``
 
 from __future__ import annotations
 
-import os
+import _devices
 
-# XLA reads the flag once, when the backend starts: before importing jax.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_devices.emulate(8)  # before jax is imported
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402

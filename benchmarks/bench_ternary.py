@@ -32,13 +32,10 @@ Run: ``python benchmarks/bench_ternary.py [--seeds 4] [--epochs 30]
 
 from __future__ import annotations
 
-import os
+import _devices
+import _digits
 
-# 8 emulated devices; XLA reads the flag once, before jax is imported.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_devices.emulate(8)  # before jax is imported
 
 import argparse  # noqa: E402
 import time  # noqa: E402
@@ -47,45 +44,19 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import _headline  # noqa: E402
 import gradaccum_jax as ga  # noqa: E402
 
 NUM_DEVICES = 8
 PER_DEVICE_BATCH = 16
-HIDDEN = 128
 LEARNING_RATE = 3e-3
 
 
-def load_data():
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    return train_test_split(
-        x, digits.target.astype(np.int32), test_size=0.2, random_state=0,
-        stratify=digits.target,
-    )  # fmt: skip
-
-
-def init_mlp(key, num_features=64, num_classes=10):
-    k1, k2 = jax.random.split(key)
-    return {
-        "w1": jax.random.normal(k1, (num_features, HIDDEN)) / np.sqrt(num_features),
-        "b1": jnp.zeros((HIDDEN,)),
-        "w2": jax.random.normal(k2, (HIDDEN, num_classes)) / np.sqrt(HIDDEN),
-        "b2": jnp.zeros((num_classes,)),
-    }
-
-
-def logits_fn(params, x):
-    hidden = jax.nn.relu(x @ params["w1"] + params["b1"])
-    return hidden @ params["w2"] + params["b2"]
-
-
-def loss_fn(params, x, y):
-    logits = logits_fn(params, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+def initial_params(seeds):
+    """The MLP's initial params per seed, stacked on a leading axis."""
+    per_seed = [_digits.init_mlp(_digits.LAYERS, seed) for seed in seeds]
+    return jax.tree.map(lambda *leaves: jnp.asarray(np.stack(leaves)), *per_seed)
 
 
 def batch_indices(seeds, num_train, epochs, batch):
@@ -99,28 +70,23 @@ def batch_indices(seeds, num_train, epochs, batch):
     return np.stack(out)
 
 
-def accuracy(params, x, y):
-    return jnp.mean(jnp.argmax(logits_fn(params, x), -1) == y)
-
-
 # --- data parallel ---------------------------------------------------------------
 
 
 def trainer(opt, data):
-    """``train_one(seed, batch_indices) -> test accuracy`` for optimizer ``opt``."""
+    """``train_one(params, batch_indices) -> test accuracy`` for optimizer ``opt``."""
     x_train, x_test, y_train, y_test = data
 
-    def train_one(seed, batches):
-        params = init_mlp(jax.random.key(seed))
+    def train_one(params, batches):
 
         def step(carry, idx):
             params, opt_state = carry
-            grads = jax.grad(loss_fn)(params, x_train[idx], y_train[idx])
+            grads = jax.grad(_digits.loss)(params, x_train[idx], y_train[idx])
             updates, opt_state = opt.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), None
 
         (params, _), _ = jax.lax.scan(step, (params, opt.init(params)), batches)
-        return accuracy(params, x_test, y_test)
+        return _digits.accuracy(params, x_test, y_test)
 
     return train_one
 
@@ -134,7 +100,7 @@ def train_data_parallel(averaging, data, seeds, epochs):
     indices = indices.reshape(len(seeds), indices.shape[1], NUM_DEVICES, -1)
     indices = jnp.asarray(indices.transpose(2, 0, 1, 3))
     run = jax.pmap(jax.vmap(train_one), axis_name="i", in_axes=(None, 0))
-    accuracies = run(jnp.asarray(seeds), indices)
+    accuracies = run(initial_params(seeds), indices)
     # Every device holds the same params; the test is on device 0's copy.
     return np.asarray(accuracies[0])
 
@@ -147,7 +113,7 @@ def train_accumulating(opt, data, seeds, epochs, every_k=NUM_DEVICES):
     indices = batch_indices(seeds, len(data[0]), epochs, every_k * PER_DEVICE_BATCH)
     indices = jnp.asarray(indices.reshape(len(seeds), -1, PER_DEVICE_BATCH))
     train_one = trainer(opt, data)
-    return np.asarray(jax.jit(jax.vmap(train_one))(jnp.asarray(seeds), indices))
+    return np.asarray(jax.jit(jax.vmap(train_one))(initial_params(seeds), indices))
 
 
 # --- bytes ------------------------------------------------------------------------
@@ -356,8 +322,8 @@ def main():
     args = parser.parse_args()
     seeds = list(range(args.seeds))
     start = time.time()
-    data = tuple(jnp.asarray(a) for a in load_data())
-    mlp = jax.eval_shape(init_mlp, jax.random.key(0))
+    data = tuple(jnp.asarray(a) for a in _digits.split())
+    mlp = jax.eval_shape(lambda: _digits.init_mlp(_digits.LAYERS, 0))
     large = {f"w{i}": jax.ShapeDtypeStruct((1024, 1024), jnp.float32) for i in range(4)}
     huge = {f"w{i}": jax.ShapeDtypeStruct((2048, 2048), jnp.float32) for i in range(4)}
     every_k = NUM_DEVICES
@@ -440,7 +406,7 @@ def main():
 
     num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(mlp))
     print(
-        f"\nload_digits MLP 64-{HIDDEN}-10 ({num_params} params), adam "
+        f"\nload_digits MLP {_digits.LAYERS} ({num_params} params), adam "
         f"{LEARNING_RATE}, effective batch {NUM_DEVICES * PER_DEVICE_BATCH}, "
         f"{args.epochs} epochs, seeds {seeds}; jax {jax.__version__}, "
         f"{jax.device_count()} CPU devices\n"

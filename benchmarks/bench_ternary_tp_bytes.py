@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
+
+import _devices
 
 SIDE = 1024
 
@@ -75,13 +76,7 @@ def child(data: int, model: int) -> dict[str, float]:
 
 def measure(data: int, model: int) -> dict[str, float]:
     """``child(data, model)`` in a fresh process with that many devices."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count="
-        f"{data * model}".strip(),
-    }
+    env = _devices.child_env(data * model)
     result = subprocess.run(
         [sys.executable, __file__, "--child", f"{data}x{model}"],
         env=env,

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
+
+import _devices
 
 import _headline
 
@@ -60,13 +61,7 @@ def child(num_devices: int) -> dict[str, int]:
 
 def measure(num_devices: int) -> dict[str, int]:
     """``child(num_devices)`` in a fresh process with that many devices."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count="
-        f"{num_devices}".strip(),
-    }
+    env = _devices.child_env(num_devices)
     result = subprocess.run(
         [sys.executable, __file__, "--child", str(num_devices)],
         env=env,

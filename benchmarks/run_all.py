@@ -2,7 +2,9 @@
 
 Each benchmark runs in its own process (those on several emulated devices,
 bench_ternary.py and bench_sharded.py among them,
-need their own XLA flags) and prints its full table; this script then
+need their own XLA flags) and prints its full table (a full run also runs
+the benchmarks that only print tables, and ends with the commands of the
+figures it does not reproduce, and why); this script then
 prints the headline figures against their targets, as text, and draws, for
 users, how much faster and lighter gradaccum_jax is than what it replaces
 and how that grows, into ``benchmarks/plots/``:
@@ -31,12 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _devices
 
 HERE = Path(__file__).resolve().parent
 
@@ -62,12 +65,57 @@ BENCHMARKS = (
     ("bench_scale.py", ["--plots", ""], ["--plots", "", "--only", "reference"]),
 )
 
+# Benchmarks whose tables the docs quote but that hand no headline figures
+# to this script: run as they are in a full run, their output printed.
+TABLES = (
+    ("bench_codecs.py", ["bytes"]),
+    ("bench_codecs.py", ["formats"]),
+    ("bench_codecs.py", ["select"]),
+    ("bench_codecs.py", ["steps", "--rounds", "12"]),
+    ("bench_ternary_tp_bytes.py", []),
+    ("bench_noise_scale.py", ["--skip-spread"]),
+    ("bench_noise_scale.py", ["--skip-timing"]),
+    ("bench_long_window.py", []),
+    ("bench_low_precision.py", []),
+)
 
-def machine() -> str:
-    """The machine the figures come from, in words, for the plot titles."""
-    import jax
+# What the docs quote that this script does not run, and why: each command
+# reproduces its figures (a saved JSON records the arguments that made it).
+ELSEWHERE = (
+    (
+        "python benchmarks/bench_low_communication.py --task transformer",
+        "about 40 minutes on 2 CPU cores; low_communication_transformer.json",
+    ),
+    (
+        "sudo PYTHONPATH=. python benchmarks/bench_overlap.py",
+        "root (a network namespace, tc)",
+    ),
+    (
+        "python benchmarks/bench_codecs.py steps --workers 2 --rounds 8 "
+        "--layouts shard_map --batch 2048",
+        "the larger-batch variant of the codecs' step times",
+    ),
+    (
+        "python benchmarks/compare_revisions.py --before 94401cb",
+        "checks out an earlier revision",
+    ),
+)
 
-    return f"{jax.devices()[0].platform.upper()}, {os.cpu_count()} cores"
+
+def network_commands(plots: Path) -> list[tuple[str, str]]:
+    """The ``bench_network.py`` command of each saved ``network*.json``,
+    from the arguments it records: it runs as root (a network namespace,
+    ``tc``), so this script does not."""
+    commands = []
+    for path in sorted(plots.glob("network*.json")):
+        recorded = dict(json.loads(path.read_text())["args"])
+        recorded.update(out_dir="benchmarks/plots", stem=path.stem)
+        words = ["--rates", *(r.replace(" Gbit/s", "") for r in recorded.pop("rates"))]
+        for name, value in recorded.items():
+            words += [f"--{name.replace('_', '-')}", str(value)]
+        command = "PYTHONPATH=. python benchmarks/bench_network.py " + " ".join(words)
+        commands.append((command, f"root; {path.name}"))
+    return commands
 
 
 def run_benchmark(script: str, arguments: list[str], json_path: Path) -> dict:
@@ -176,7 +224,11 @@ def main() -> None:
             results[script] = run_benchmark(
                 script, quick if args.quick else full, json_path
             )
-    where = machine()
+    if not args.quick:
+        for script, arguments in TABLES:
+            print(f"$ {script} {' '.join(arguments)}", flush=True)
+            subprocess.run([sys.executable, str(HERE / script), *arguments], check=True)
+    where = _devices.machine()
     accumulation = results["bench_accumulation.py"]["data"]
     print(f"## Accumulation, ours / optax.MultiSteps by model size ({where})\n")
     print(ratios_table(accumulation["sweep_params"], "params"))
@@ -187,6 +239,9 @@ def main() -> None:
     print()
     for path in draw(results, args.plots, where):
         print(f"plot: {path}")
+    print("\n## Not run here\n")
+    for command, why in (*ELSEWHERE, *network_commands(HERE / "plots")):
+        print(f"- `{command}`: {why}")
     print(f"total: {time.monotonic() - start:.0f} s")
 
 
