@@ -454,14 +454,10 @@ def test_weighted_statistics_come_from_the_unweighted_gradient():
     for clip_sigma, tight in ((2.5, False), (2.5, True), (None, False)):
         kwargs = {"clip_sigma": clip_sigma, "tight": tight}
         for weight in (np.nan, np.inf):
-            finite = scale_and_bound(
-                x, weight=jnp.float32(weight), **kwargs
-            )
+            finite = scale_and_bound(x, weight=jnp.float32(weight), **kwargs)
             assert not bool(finite[2])
         for bad in (np.nan, np.inf):
-            finite = scale_and_bound(
-                x.at[7].set(bad), weight=2.0, **kwargs
-            )
+            finite = scale_and_bound(x.at[7].set(bad), weight=2.0, **kwargs)
             assert not bool(finite[2])
     # Finite, but the sum of squares overflows float32: the largest
     # magnitude is read then, and the leaf is merely not clipped, tight or
