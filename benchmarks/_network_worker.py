@@ -68,8 +68,9 @@ import sys
 import time
 from typing import Any
 
-import _digits
 import numpy as np
+
+import _digits
 
 AXIS = "data"
 # DiLoCo's workers hold their own params (``P(AXIS)``) and run cycles of

@@ -67,9 +67,10 @@ import statistics
 import time
 from typing import Any
 
+import numpy as np
+
 import _devices
 import _digits
-import numpy as np
 
 DEVICES = 8
 SIDE = 1024

@@ -131,6 +131,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import _digits  # noqa: E402
 import _headline  # noqa: E402
 import gradaccum_jax as ga  # noqa: E402
 from gradaccum_jax import demo  # noqa: E402
@@ -444,7 +445,7 @@ class Task(NamedTuple):
 
 def digits_task() -> Task:
     """The MLP of ``gradaccum_jax.demo`` on its digits split."""
-    x_train, y_train, x_val, y_val = demo.load_digits(0)
+    x_train, y_train, x_val, y_val = _digits.demo_split(0)
     sizes = (x_train.shape[1], HIDDEN, HIDDEN, 10)
     return Task(
         f"digits MLP {sizes}",

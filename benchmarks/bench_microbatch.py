@@ -37,12 +37,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _devices
-import _digits
 import jax
 import jax.numpy as jnp
 import optax
 
+import _devices
+import _digits
 import _headline
 from gradaccum_jax import microbatched_value_and_grad
 

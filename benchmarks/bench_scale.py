@@ -75,7 +75,6 @@ import traceback
 from pathlib import Path
 
 import _devices
-
 import _headline
 
 HERE = Path(__file__).resolve().parent

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import _digits
 import bench_ternary  # sets 8 emulated devices before jax starts
 import numpy as np
 
+import _digits
 import _headline
 import gradaccum_jax as ga
 

@@ -22,7 +22,6 @@ import subprocess
 import sys
 
 import _devices
-
 import _headline
 
 LEAVES, SIDE = 4, 1024  # 4 x 1024 x 1024 float32 parameters

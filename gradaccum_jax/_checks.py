@@ -83,30 +83,28 @@ def positive_finite(name: str, value: Any) -> Any:
 
 def decay_rate(name: str, value: Any) -> float:
     """Returns ``value`` as a float, or raises unless it is in [0, 1)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(
-            f"`{name}` must be a number in [0, 1), got {value!r} "
-            f"of type {type(value).__name__}."
-        )
-    if not 0 <= float(value) < 1:
-        raise ValueError(f"`{name}` must be a number in [0, 1), got {value}.")
-    return float(value)
+    return _real_in(name, value, "[0, 1)", lambda v: 0 <= v < 1)
 
 
 def fraction(name: str, value: Any, *, zero: bool = False) -> float:
     """Returns ``value`` as a float, or raises unless it is in (0, 1] (in
     [0, 1] with ``zero``)."""
-    accepted = "[0, 1]" if zero else "(0, 1]"
+    if zero:
+        return _real_in(name, value, "[0, 1]", lambda v: 0 <= v <= 1)
+    return _real_in(name, value, "(0, 1]", lambda v: 0 < v <= 1)
+
+
+def _real_in(name: str, value: Any, accepted: str, test: Callable) -> float:
+    """``value`` as a float if it is a real number that passes ``test``
+    (NaN passes none), else a ValueError naming ``accepted``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(
             f"`{name}` must be a number in {accepted}, got {value!r} "
             f"of type {type(value).__name__}."
         )
-    value = float(value)
-    above_zero = value >= 0 if zero else value > 0
-    if not (above_zero and value <= 1):  # NaN fails both
+    if not test(float(value)):
         raise ValueError(f"`{name}` must be a number in {accepted}, got {value}.")
-    return value
+    return float(value)
 
 
 def boolean(name: str, value: Any) -> bool:

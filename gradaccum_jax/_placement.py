@@ -71,6 +71,16 @@ def placed(leaf: Any, spec: P) -> Any:
     return jax.sharding.reshard(leaf, spec)
 
 
+def constrained(leaf: Any, spec: P) -> Any:
+    """``leaf`` split as ``spec``: `placed` where its first mesh axis is
+    Explicit, a sharding constraint where it is Auto (a host array, as a
+    restored checkpoint gives, is split either way)."""
+    first = next(axis for entry in spec for axis in _tree.entry_axes(entry))
+    if is_explicit(first):
+        return placed(leaf, spec)
+    return jax.lax.with_sharding_constraint(leaf, spec)
+
+
 def rows_split(leaf: Any, axis: str) -> Any:
     """``leaf`` with its leading dimension split over mesh ``axis``.
 

@@ -372,3 +372,29 @@ def test_no_context_variable_or_thread_local_chooses_behaviour():
         if re.search(r"\bcontextvars\b|\bContextVar\b|threading\.local\b", line)
     ]
     assert found == []
+
+
+def test_the_ternary_front_doors_are_thin():
+    """`ternary_average_across_devices` and `ternary_window_reduction` are
+    front doors over the compressed_* pair: at most 20 lines of code each
+    (signature and docstring left out), each handing the ternary codec to
+    the pair's shared function."""
+    path = PACKAGE_DIR / "_ternary" / "_reductions.py"
+    tree = ast.parse(path.read_text())
+    doors = {
+        node.name: node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    }
+    assert set(doors) == {"ternary_average_across_devices", "ternary_window_reduction"}
+    for name, node in doors.items():
+        body = node.body[1:]  # the docstring left out
+        code_lines = body[-1].end_lineno - body[0].lineno + 1
+        assert code_lines <= 20, (name, code_lines)
+        called = {
+            call.func.id
+            for call in ast.walk(node)
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+        }
+        assert "ternary" in called, name
+        assert called & {"average", "window_reduction"}, name

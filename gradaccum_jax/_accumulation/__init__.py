@@ -2,21 +2,10 @@
 
 `MultiSteps` is a drop-in replacement for `optax.MultiSteps`; `accumulate`
 and `MultiSteps.gradient_transformation` give the same machinery as an
-`AccumulationTransformation` for `optax.chain`. The package is split by job:
-
-* `_state`: the state and the `stats` it reports;
-* `_configuration`: the engine's `Configuration`, built once from the
-  arguments `MultiSteps`, `accumulate` and `ternary_accumulate` share;
-* `_multisteps`: `MultiSteps`, which holds one and delegates;
-* `_engine`: the micro-step, the emission and the window as a whole
-  (reset, reduce, lift), composed of parts;
-* `_inner_step`: the inner optimizer's step in the window's own buffers;
-* `_skip`: which micro-batches the window takes;
-* `_transformation`, `_accumulate`: the optax-transformation forms.
-
-The window's parts (its storage and its size policies) are in
-`gradaccum_jax._window`, the statistics' protocol in
-`gradaccum_jax._statistic`.
+`AccumulationTransformation` for `optax.chain`. The engine (`_engine`)
+reads as the algorithm and calls its parts through their protocols: the
+window's storage and size (`gradaccum_jax._window`), the statistics
+(`gradaccum_jax._statistic`). docs/architecture.md lists the modules.
 """
 
 from gradaccum_jax._accumulation._accumulate import accumulate

@@ -34,7 +34,6 @@ from gradaccum_jax._compression import (
     _leaves,
     _random,
 )
-from gradaccum_jax._compression._leaves import keeps_no_array
 
 
 class Reduce(NamedTuple):
@@ -168,7 +167,7 @@ def reduce_with_codec(
     num_devices = _checks.bound_axis_size(config.axis, config.caller)
     leaves, treedef = jax.tree.flatten(updates)
     splits = splits or [_blocks.WHOLE] * len(leaves)
-    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
+    residuals = _leaves.slots(state.residual)
     compressed = [i for i, x in enumerate(leaves) if coded(config.codec, x, splits[i])]
     exact = [i for i in range(len(leaves)) if i not in compressed]
     results = list(leaves)
@@ -219,10 +218,9 @@ def reduce_with_codec(
     codec_state = jax.tree.map(
         lambda new, old: jnp.where(keep, new, old), coded_sum.state, state.codec
     )
-    residual_treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
     new_state = CodecState(
         _random.advance(state.key),
-        jax.tree.unflatten(residual_treedef, new_residuals),
+        _leaves.with_slots(state.residual, new_residuals),
         codec_state,
         state.auto_splits,
     )

@@ -1,15 +1,10 @@
 """`compressed_window_reduction`: a window's per-device terms summed by a codec.
 
-Each device keeps its own part of the state (its error-feedback residual,
-the codec's own state), stacked on a leading device axis sharded over the
-window's mesh axes: plain arrays, checkpointable like the per-device
-window. A residual keeps its leaf's split over other axes (a
-tensor-parallel ``model`` split): each device codes, sends and keeps its
-own block. On an Auto mesh the types do not say the split: the terms are
-coded as ``init`` saw the params split (`_compression._auto_splits`), whole where it saw
-none.
+Each device's part of the state (its residual, the codec's own state) is
+a row of arrays stacked over the window's mesh axes, each residual split
+like its leaf over the others: each device codes, sends and keeps its own
+block (on an Auto mesh, as ``init`` saw the params split).
 """
-
 from __future__ import annotations
 
 from typing import Any
@@ -24,7 +19,13 @@ from gradaccum_jax._codecs import _mean
 from gradaccum_jax._codecs._average import codec_argument
 from gradaccum_jax._codecs._protocol import Codec, CodecState
 from gradaccum_jax._compression import _auto_splits, _blocks
-from gradaccum_jax._compression._leaves import NoResidual, keeps_no_array, real_leaves
+from gradaccum_jax._compression._leaves import (
+    NoResidual,
+    keeps_no_array,
+    real_leaves,
+    slots,
+    with_slots,
+)
 
 _CALLER = "compressed_window_reduction"
 
@@ -125,16 +126,10 @@ def window_reduction(
         parts = iter(_term_parts(layout, whole.auto_splits, leaves, shapes))
         residual = [
             slot if keeps_no_array(slot) else _per_device(slot, layout, part)
-            for slot, part in zip(
-                jax.tree.leaves(whole.residual, is_leaf=keeps_no_array),
-                parts,
-                strict=True,
-            )
+            for slot, part in zip(slots(whole.residual), parts, strict=True)
         ]
         return whole._replace(
-            residual=jax.tree.unflatten(
-                jax.tree.structure(whole.residual, is_leaf=keeps_no_array), residual
-            ),
+            residual=with_slots(whole.residual, residual),
             codec=jax.tree.map(lambda leaf: _per_device(leaf, layout, ()), whole.codec),
         )
 
@@ -148,7 +143,7 @@ def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
     """``state``'s per-device parts split over the layout's axes, and each
     residual like its leaf of ``like`` (the gradients or params) over the
     others: a state restored from host arrays has lost both splits."""
-    residual_slots = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
+    residual_slots = slots(state.residual)
     if layout.stacked:  # Auto: as `init` saw the params
         shapes = [
             slot.shape if keeps_no_array(slot) else tuple(slot.shape[1:])
@@ -170,14 +165,16 @@ def place_state(state: CodecState, layout: Any, like: Any) -> CodecState:
             for slot, leaf in zip(residual_slots, like_leaves, strict=True)
         ]
     placed = [
-        slot if keeps_no_array(slot) else _place(slot, _device_spec(layout, part))
+        slot
+        if keeps_no_array(slot)
+        else _placement.constrained(slot, _device_spec(layout, part))
         for slot, part in zip(residual_slots, parts, strict=True)
     ]
-    treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
     return state._replace(
-        residual=jax.tree.unflatten(treedef, placed),
+        residual=with_slots(state.residual, placed),
         codec=jax.tree.map(
-            lambda leaf: _place(leaf, _device_spec(layout, ())), state.codec
+            lambda leaf: _placement.constrained(leaf, _device_spec(layout, ())),
+            state.codec,
         ),
     )
 
@@ -220,15 +217,7 @@ def _per_device(leaf: Any, layout: Any, parts: tuple[Any, ...]) -> Any:
     if keeps_no_array(leaf):
         return leaf
     stacked = jnp.broadcast_to(leaf, (layout.device_count(), *jnp.shape(leaf)))
-    return _place(stacked, _device_spec(layout, parts))
-
-
-def _place(leaf: jax.Array, spec: P) -> jax.Array:
-    """``leaf`` split as ``spec``; a host array (a restored checkpoint) too."""
-    axis = spec[0] if isinstance(spec[0], str) else spec[0][0]
-    if _placement.is_explicit(axis):
-        return _placement.placed(leaf, spec)
-    return jax.lax.with_sharding_constraint(leaf, spec)
+    return _placement.constrained(stacked, _device_spec(layout, parts))
 
 
 def reduce_terms(
@@ -241,9 +230,9 @@ def reduce_terms(
     statistics' terms), which the codec must not compress.
     """
     leaves, treedef = jax.tree.flatten(terms)
-    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
+    residuals = slots(state.residual)
     stacked = layout.stacked
-    slots = _residual_slots(config, leaves, residuals, stacked)
+    term_slots = _residual_slots(config, leaves, residuals, stacked)
     param_shapes = [
         tuple(np.shape(leaf))[1:] if stacked else tuple(np.shape(leaf))
         for leaf in leaves[: len(residuals)]
@@ -253,11 +242,11 @@ def reduce_terms(
     parts = _term_parts(layout, state.auto_splits, leaves, shapes)
     residual_specs = [
         None if keeps_no_array(slot) else _device_spec(layout, parts[i])
-        for i, slot in enumerate(slots)
+        for i, slot in enumerate(term_slots)
     ]
     state_spec = _device_spec(layout, ())
     term_specs = [layout.term_spec(p) for p in parts]
-    arrays = [slot for slot in slots if not keeps_no_array(slot)]
+    arrays = [slot for slot in term_slots if not keeps_no_array(slot)]
     array_specs = [spec for spec in residual_specs if spec is not None]
 
     def local(leaves, key, arrays, codec_state):
@@ -265,7 +254,7 @@ def reduce_terms(
             leaves = [leaf[0] for leaf in leaves]
         unstacked = iter([a[0] for a in arrays])
         device_slots = [
-            slot if keeps_no_array(slot) else next(unstacked) for slot in slots
+            slot if keeps_no_array(slot) else next(unstacked) for slot in term_slots
         ]
         codec_state = jax.tree.map(lambda leaf: leaf[0], codec_state)
         sums, new, sq_excess = _mean.reduce_with_codec(
@@ -277,7 +266,7 @@ def reduce_terms(
         )
         new_arrays = [
             r[None]
-            for r, slot in zip(new.residual, slots, strict=True)
+            for r, slot in zip(new.residual, term_slots, strict=True)
             if not keeps_no_array(slot)
         ]
         new_codec = jax.tree.map(lambda leaf: leaf[None], new.codec)
@@ -299,17 +288,21 @@ def reduce_terms(
     )(
         leaves,
         state.key,
-        [_place(a, s) for a, s in zip(arrays, array_specs, strict=True)],
-        jax.tree.map(lambda leaf: _place(leaf, state_spec), state.codec),
+        [
+            _placement.constrained(a, s)
+            for a, s in zip(arrays, array_specs, strict=True)
+        ],
+        jax.tree.map(
+            lambda leaf: _placement.constrained(leaf, state_spec), state.codec
+        ),
     )
     new_arrays = iter(arrays)
     new_residuals = [
-        slot if keeps_no_array(slot) else next(new_arrays) for slot in slots
+        slot if keeps_no_array(slot) else next(new_arrays) for slot in term_slots
     ][: len(residuals)]
-    residual_treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
     new_state = state._replace(
         key=key,
-        residual=jax.tree.unflatten(residual_treedef, new_residuals),
+        residual=with_slots(state.residual, new_residuals),
         codec=codec_state,
     )
     return jax.tree.unflatten(treedef, sums), new_state, sq_excess
@@ -326,7 +319,7 @@ def _residual_slots(
             f"initialized with params of {len(residuals)}: initialize it with "
             "the params the gradients come from."
         )
-    slots = list(residuals)
+    result = list(residuals)
     for i, leaf in enumerate(leaves):
         shape = tuple(np.shape(leaf))[1:] if stacked else tuple(np.shape(leaf))
         if i >= len(residuals):
@@ -336,5 +329,5 @@ def _residual_slots(
                     f"(shape {shape}) would be compressed by {config.codec.name}, "
                     "which keeps no residual for it."
                 )
-            slots.append(NoResidual(shape))
-    return slots
+            result.append(NoResidual(shape))
+    return result

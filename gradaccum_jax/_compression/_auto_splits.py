@@ -2,19 +2,12 @@
 
 On Auto axes (an Auto mesh, or inside `diloco`'s map over stacked workers,
 which makes every Explicit axis Auto) a leaf's type under ``jax.jit`` does
-not say how the compiler split it, so a codec would code it whole and XLA
-would move its codes to lay them out. Two can say the split:
-
-- the caller, which read it from Explicit types before making the axes
-  Auto: ``diloco`` passes it to its ``outer_reduction``'s ``update`` as the
-  extra argument ``leaf_layouts``, as optax passes extras, so a reduction
-  of the user's own gets it too;
-- the reduction's own state, where ``init``, given placed arrays, kept
-  how it saw them split (`AutoSplits`, `seen_splits`): on an Auto mesh
-  nothing else can.
-
-`layouts_of` picks one for each leaf; `gradaccum_jax._codecs._auto_blocks`
-runs a codec on each device's block as it says.
+not say its split, so a codec would code it whole and XLA would move its
+codes. The caller may say it (``diloco`` passes the split it read from
+Explicit types as the ``update`` extra argument ``leaf_layouts``, so a
+reduction of the user's own gets it too), or the reduction's state
+(`AutoSplits`: how ``init``, given placed arrays, saw them split);
+`layouts_of` picks one per leaf.
 """
 
 from __future__ import annotations

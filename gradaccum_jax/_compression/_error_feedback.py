@@ -30,7 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax import _tree
-from gradaccum_jax._compression._leaves import NoResidual, keeps_no_array
+from gradaccum_jax._compression._leaves import (
+    NoResidual,
+    keeps_no_array,
+    slots,
+    with_slots,
+)
 
 
 def keeps_residual(error_feedback: bool, biased: bool) -> bool:
@@ -58,8 +63,7 @@ def check_grown(
     residual for it: the state was initialized with other params (a small
     leaf that grew past ``min_size`` would have no residual to use)."""
     leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
-    slots = jax.tree.leaves(residual, is_leaf=keeps_no_array)
-    for (path, leaf), slot in zip(leaves, slots, strict=True):
+    for (path, leaf), slot in zip(leaves, slots(residual), strict=True):
         if coded(leaf) and keeps_no_array(slot):
             raise ValueError(
                 f"{caller}: updates leaf {jax.tree_util.keystr(path)} has shape "
@@ -84,17 +88,14 @@ def keeps_a_residual(state: Any) -> bool:
     """Whether a reduction's ``state`` (a `CodecState`, a `TernaryState`)
     keeps an error-feedback residual for some leaf."""
     residual = getattr(state, "residual", None)
-    return residual is not None and any(
-        not keeps_no_array(r) for r in jax.tree.leaves(residual, is_leaf=keeps_no_array)
-    )
+    return residual is not None and not all(map(keeps_no_array, slots(residual)))
 
 
 def take_residual(state: Any, fraction: Any) -> tuple[list[Any], Any]:
     """``fraction`` of each leaf's residual in ``state``, in the devices'
     share units (None for a leaf that keeps none), and ``state`` keeping
     the rest: the two add up to the residual, so nothing unsent is lost."""
-    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
+    residuals = slots(state.residual)
     taken = [None if keeps_no_array(r) else fraction * r for r in residuals]
     rest = [r if t is None else r - t for r, t in zip(residuals, taken, strict=True)]
-    treedef = jax.tree.structure(state.residual, is_leaf=keeps_no_array)
-    return taken, state._replace(residual=jax.tree.unflatten(treedef, rest))
+    return taken, state._replace(residual=with_slots(state.residual, rest))

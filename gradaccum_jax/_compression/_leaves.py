@@ -79,6 +79,16 @@ def keeps_no_array(node: Any) -> bool:
     return isinstance(node, NoResidual)
 
 
+def slots(tree: Any) -> list[Any]:
+    """A state tree's slots in order: its arrays and its `NoResidual` nodes."""
+    return jax.tree.leaves(tree, is_leaf=keeps_no_array)
+
+
+def with_slots(tree: Any, new: list[Any]) -> Any:
+    """``tree`` with its `slots` replaced by ``new``, in order."""
+    return jax.tree.unflatten(jax.tree.structure(tree, is_leaf=keeps_no_array), new)
+
+
 def check_updates(updates: Any, template: Any, caller: str, coder: str) -> None:
     """Raises, naming the leaf, if ``updates`` do not match a state template.
 
@@ -96,8 +106,7 @@ def check_updates(updates: Any, template: Any, caller: str, coder: str) -> None:
         placeholder=keeps_no_array,
     )
     leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
-    slots = jax.tree.leaves(template, is_leaf=keeps_no_array)
-    for (path, leaf), slot in zip(leaves, slots, strict=True):
+    for (path, leaf), slot in zip(leaves, slots(template), strict=True):
         if isinstance(slot, NoResidual) and np.shape(leaf) != slot.shape:
             raise ValueError(
                 f"{caller}: updates leaf {jax.tree_util.keystr(path)} has shape "

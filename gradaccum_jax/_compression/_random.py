@@ -217,16 +217,14 @@ def with_own_streams(state: Any, index: int) -> Any:
 
     One reduction's states used side by side (DiLoCo's fragments, each
     reduced with the same ``outer_reduction``) would otherwise start from
-    the same seed and step, and draw alike. A state node that draws random
-    bits says how to give it a stream of its own: a ``with_own_stream(index)``
-    method (a codec's `CodecState`, `gradaccum_jax.TernaryState`); any other node is
-    returned as it is.
+    the same seed and step, and draw alike. A state node (a NamedTuple)
+    that draws random bits says how to give it a stream of its own, a
+    ``with_own_stream(index)`` method (`CodecState`, `TernaryState`); any
+    other node is returned as it is.
     """
 
     def has_stream(node: Any) -> bool:
-        return callable(getattr(node, "with_own_stream", None)) and isinstance(
-            node, tuple
-        )
+        return isinstance(node, tuple) and hasattr(node, "with_own_stream")
 
     return jax.tree.map(
         lambda node: node.with_own_stream(index) if has_stream(node) else node,

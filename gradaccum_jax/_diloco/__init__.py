@@ -1,13 +1,7 @@
-"""DiLoCo (and Streaming DiLoCo), split by job.
-
-- `_state`: `DiLoCoState` and the fresh state;
-- `_fragments`: which param leaves sync together, and at which step;
-- `_sync`: one fragment's sync (outer gradient, mean, outer step);
-- `_worker`: one worker's call (inner step, each fragment's sync when due);
-- `_stacked`: the ``jax.jit`` layout (workers stacked on a mesh axis) and
-  its public helpers, each worker's gradient among them;
-- `_update`: `diloco`'s update on that layout;
-- `_transformation`: `diloco`, which puts them together.
+"""DiLoCo (and Streaming DiLoCo), split by job: the state, the fragments,
+one fragment's sync, one worker's call, the ``jax.jit`` layout of workers
+stacked on a mesh axis, and `diloco`, which puts them together
+(docs/architecture.md lists the modules).
 """
 
 from gradaccum_jax._diloco._stacked import (

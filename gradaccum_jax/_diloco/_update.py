@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from gradaccum_jax import _tree
 from gradaccum_jax._diloco._stacked import check_stacked, first_row
 from gradaccum_jax._placement import (
+    constrained,
     explicit_axes,
     is_explicit,
     rows_split,
@@ -136,10 +137,7 @@ def _mapped(worker_fn, axis_name, grads, state, params, weight):
 def _stacked_step(step: jax.Array, axis_name: str) -> jax.Array:
     """The shared cycle step, one per worker again (no data moves)."""
     workers = jax.sharding.get_abstract_mesh().shape[axis_name]
-    stacked = jnp.broadcast_to(step, (workers,))
-    if is_explicit(axis_name):
-        return jax.sharding.reshard(stacked, P(axis_name))
-    return jax.lax.with_sharding_constraint(stacked, P(axis_name))
+    return constrained(jnp.broadcast_to(step, (workers,)), P(axis_name))
 
 
 def _split_like(tree: Any, like: Any, axis_name: str) -> Any:

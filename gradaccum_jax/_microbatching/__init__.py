@@ -10,11 +10,7 @@ valid-token weighting that fixes the gradient-accumulation loss bug
 (a mean of per-micro-batch means is not the big-batch mean when the
 micro-batches hold different numbers of valid examples).
 
-The steps, one module each: `_keys` (which argument holds the PRNG key),
-`_batch` (checking and splitting the batch), `_scan` (the weighted sums and
-means), `_layout` (which parameters are gathered once or per micro-batch
-over a mesh's data axis), `_sharded` (a step laid out over that axis), and
-`_value_and_grad` (the public function that puts them together).
+docs/architecture.md lists the modules, one per step.
 """
 
 from gradaccum_jax._microbatching._value_and_grad import microbatched_value_and_grad

@@ -21,14 +21,7 @@ something smaller. A term of a param split over another mesh axis (a
 tensor-parallel ``model`` axis) keeps that split in every layout, and no
 function run on a device's term gathers it (`DeviceTerms`).
 
-The package is split by idea:
-
-* `_layout`: the interface, `TermsLayout`, and `NoTerms`;
-* `_device_terms`: what the two layouts of per-device terms share: a
-  function of each device's own term (a statistic of its micro-batch), and
-  per-device states (a window of its own on each device);
-* `_unreduced`, `_stacked`: the two layouts;
-* `_choice`: which layout a mesh gives (`terms_layout`).
+docs/architecture.md lists the modules, one per idea.
 """
 
 from gradaccum_jax._partials._choice import device_terms_layout, terms_layout

@@ -157,11 +157,7 @@ class DeviceTerms(TermsLayout, abc.ABC):
         """``tree`` (one per device, stacked on a leading axis) sharded over
         it: a no-op if it is; host arrays are sliced where they lie."""
         (axis,) = self.axes
-        if _placement.is_explicit(axis):
-            return jax.tree.map(lambda leaf: _placement.placed(leaf, P(axis)), tree)
-        return jax.tree.map(
-            lambda leaf: jax.lax.with_sharding_constraint(leaf, P(axis)), tree
-        )
+        return jax.tree.map(lambda leaf: _placement.constrained(leaf, P(axis)), tree)
 
 
 def _map_rows(

@@ -59,10 +59,7 @@ class Stacked(DeviceTerms):
         takes it from the values it meets (the gradients, the window passed
         in), not a replicated copy a plain ``P(axis)`` would ask for.
         """
-        spec = self._spec_like(like)
-        if _placement.is_explicit(self.axis):  # a one-device Explicit axis
-            return _placement.placed(stacked, spec)
-        return jax.lax.with_sharding_constraint(stacked, spec)
+        return _placement.constrained(stacked, self._spec_like(like))
 
     def _spec_like(self, like: Any) -> P:
         """The spec of terms of a value split as ``like``."""

@@ -31,6 +31,8 @@ from gradaccum_jax._compression._leaves import (
     is_compressed,
     keeps_no_array,
     real_leaves,
+    slots,
+    with_slots,
 )
 from gradaccum_jax._reduction import WindowReduction
 from gradaccum_jax._statistic import WindowStatistic
@@ -88,7 +90,7 @@ def _ternary_window_accumulator(
     Each micro-step's weighted gradient ``v = w * g`` is clipped (TernGrad)
     and the window's scale grows to ``s' = max(s, scale(v))``, where
     ``scale(v)`` is the clipping bound (``max|v|`` without clipping; see
-    ``_quantize.scale_and_bound``: one reduction of ``g``). When it
+    ``_ternary_kernels.scale_and_bound``: one reduction of ``g``). When it
     grows, the code sums so far are stochastically rounded to the new scale
     (``S <- round(S * s / s')``, unbiased), then ``v``'s TernGrad codes
     against ``s'`` are added. Every step is unbiased given the past, so
@@ -191,7 +193,7 @@ def _window_add(
     weight = jnp.asarray(weight, jnp.float32)
     leaves, treedef = jax.tree.flatten(grads)
     sums = jax.tree.leaves(acc.code_sums)
-    scales = jax.tree.leaves(acc.scales, is_leaf=keeps_no_array)
+    scales = slots(acc.scales)
     pairs = [
         _add_leaf(acc.key, i, weight, clip_sigma, code_sums, *args)
         for i, args in enumerate(zip(leaves, sums, scales, strict=True))
@@ -199,10 +201,7 @@ def _window_add(
     new_acc = TernaryAccumulatorState(
         _random.advance(acc.key),
         jax.tree.unflatten(treedef, [pair[0] for pair in pairs]),
-        jax.tree.unflatten(
-            jax.tree.structure(acc.scales, is_leaf=keeps_no_array),
-            [pair[1] for pair in pairs],
-        ),
+        with_slots(acc.scales, [pair[1] for pair in pairs]),
     )
     # A zero weight (a skipped micro-batch) must change nothing, even if
     # its gradients hold NaN (0 * NaN is NaN): a select, not a multiply.

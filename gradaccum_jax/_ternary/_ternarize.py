@@ -24,8 +24,9 @@ from gradaccum_jax._compression._leaves import (
     DEFAULT_MIN_SIZE,
     check_updates,
     is_compressed,
-    keeps_no_array,
     real_leaves,
+    slots,
+    with_slots,
 )
 
 _CODER = "ternary compression"
@@ -163,16 +164,13 @@ def _ternarized(
 ) -> tuple[Any, TernaryState]:
     """One step: every leaf's ternary reconstruction, and the new state."""
     leaves, treedef = jax.tree.flatten(updates)
-    residuals = jax.tree.leaves(state.residual, is_leaf=keeps_no_array)
+    residuals = slots(state.residual)
     pairs = [
         _compressed_leaf(config, state.key, i, leaf, residual)
         for i, (leaf, residual) in enumerate(zip(leaves, residuals, strict=True))
     ]
     sent = jax.tree.unflatten(treedef, [pair[0] for pair in pairs])
-    residual = jax.tree.unflatten(
-        jax.tree.structure(state.residual, is_leaf=keeps_no_array),
-        [pair[1] for pair in pairs],
-    )
+    residual = with_slots(state.residual, [pair[1] for pair in pairs])
     return sent, TernaryState(_random.advance(state.key), residual)
 
 
