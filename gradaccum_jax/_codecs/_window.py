@@ -5,6 +5,7 @@ a row of arrays stacked over the window's mesh axes, each residual split
 like its leaf over the others: each device codes, sends and keeps its own
 block (on an Auto mesh, as ``init`` saw the params split).
 """
+
 from __future__ import annotations
 
 from typing import Any
