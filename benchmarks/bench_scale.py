@@ -686,7 +686,7 @@ def main() -> None:
         plots = Path(args.plots)
         plots.mkdir(parents=True, exist_ok=True)
         saved = plots / "scale.json"
-        if args.only and saved.exists():
+        if saved.exists():
             # The configurations and paths run replace theirs in the saved
             # file, in place; the others' rows stay.
             ran = {(r["config"], r["path"]): r for r in results}

@@ -16,7 +16,7 @@ import pytest
 
 import gradaccum_jax
 from gradaccum_jax import MultiSteps, accumulate
-from helpers import EAGER_AND_JIT, train_step_temp_bytes
+from helpers import EAGER_AND_JIT, compiled_reference, train_step_temp_bytes
 
 
 def scalar_grads(*values):
@@ -852,3 +852,29 @@ def test_gradients_through_update_with_a_typed_prng_key_match_optax(compile_fn):
     reference = grad_fn(lambda opt: optax.MultiSteps(opt, 2))(params)
     chex.assert_trees_all_close(ours, reference, rtol=1e-6)
     assert float(jnp.min(jnp.abs(ours["w"]))) > 0.1
+
+
+@pytest.mark.slow  # compiles at scale (64 emulated devices), about 10 s
+def test_a_window_reduced_once_holds_its_sum_and_updates_in_place(tmp_path):
+    """The 0.81B-param reference of benchmarks/bench_scale.py (`data` 8 x
+    `model` 8, adam, k=8, donated): a window of per-device terms, reduced
+    once at its emission, computes the updates in its reduced sum's
+    buffers, and the update slots the emission carries are the dead
+    micro-batch gradients' buffers. Its temporaries stay within one leaf's
+    share (0.1875 GiB) of the plain path's, which reduces every micro-step
+    (0.767 GiB, the plain path's 0.408 plus a whole window, before)."""
+    paths = (
+        "ga.MultiSteps + jax.grad",
+        "once per window (local_value_and_grad)",
+        "ternary window",
+    )
+    results = compiled_reference(tmp_path, *paths)
+    plain = results[paths[0]]
+    leaf = 4 * 24 * 2048 * 8192 // 8  # one float32 weight over `model` 8
+    for path in paths[1:]:
+        assert "error" not in results[path], results[path]
+        # The same arguments (but for a ternary window's 8-byte counter).
+        arguments = results[path]["argument_bytes"] - plain["argument_bytes"]
+        assert 0 <= arguments <= 8, path
+        assert results[path]["temp_bytes"] <= plain["temp_bytes"] + leaf, path
+        assert results[path]["temp_bytes"] < 0.6 * 2**30, path

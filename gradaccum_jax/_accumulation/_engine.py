@@ -316,16 +316,26 @@ def _step_if_weighted(emission: _Emission, updates, reduced, weight, inner_state
     state in place. The window is threaded through the nested carry too: a
     closed-over integer window (ternary codes) would leak out of the
     differentiation rule of `run_if` as a tracer.
+
+    Where no window leaf holds an update (per-device terms), the window's
+    reduced sum is dead once the step has read it: its buffers hold the
+    updates, so the reduced window and a second set of update buffers are
+    never held at once.
     """
     stepped = _inner_step.window_has_weight(weight)
+    window_sum = functools.partial(_window_sum, emission)
+    in_sums = emission.slots.holds_none and emission.slots.fits_updates(
+        jax.eval_shape(window_sum, updates, reduced)
+    )
+    if in_sums:
+        sums = window_sum(updates, reduced)
+        sums_def = jax.tree.structure(sums)
+        updates, reduced = jax.tree.leaves(sums), ()
 
     def step(carry):
         updates, reduced, weight, inner_state = carry
-        whole = functools.partial(emission.slots.window, updates)
-        window_sum = emission.config.store.window_sum(whole, reduced)
-        new_updates, inner_state = emission.inner_update(
-            window_sum, weight, inner_state
-        )
+        sums = sums_def.unflatten(updates) if in_sums else window_sum(updates, reduced)
+        new_updates, inner_state = emission.inner_update(sums, weight, inner_state)
         return jax.tree.leaves(new_updates), reduced, weight, inner_state
 
     updates, _, _, inner_state = run_if(
@@ -334,6 +344,12 @@ def _step_if_weighted(emission: _Emission, updates, reduced, weight, inner_state
     # Not stepped, the slots still hold the (zero-weight) window.
     updates = [jnp.where(stepped, u, jnp.zeros((), u.dtype)) for u in updates]
     return updates, inner_state, stepped
+
+
+def _window_sum(emission: _Emission, updates: list[Any], reduced: Any) -> Any:
+    """The window's sum, from its update-holding leaves and its reduced rest."""
+    whole = functools.partial(emission.slots.window, updates)
+    return emission.config.store.window_sum(whole, reduced)
 
 
 def reset(config: Configuration, state: MultiStepsState) -> MultiStepsState:

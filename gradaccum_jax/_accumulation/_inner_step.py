@@ -15,8 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
-from gradaccum_jax import _tree
+from gradaccum_jax import _placement, _tree
 from gradaccum_jax._tree import any_mapped_axis_bound, varying_axes
 
 
@@ -45,6 +46,19 @@ class UpdateSlots:
             same_tree and _same_layout(leaf, self._update_shapes[i])
             for i, leaf in enumerate(acc_leaves)
         ]
+
+    @property
+    def holds_none(self) -> bool:
+        """Whether no window leaf holds an update (per-device terms)."""
+        return not any(self._holds_update)
+
+    def fits_updates(self, tree: Any) -> bool:
+        """Whether ``tree``'s leaves can hold the updates, one for one."""
+        leaves = jax.tree.leaves(tree)
+        return len(leaves) == len(self._update_shapes) and all(
+            _same_layout(leaf, shape)
+            for leaf, shape in zip(leaves, self._update_shapes, strict=True)
+        )
 
     def initial_updates(self, acc: Any, scratch: Any) -> list[jax.Array]:
         """The update buffers before the loop (their contents are never read)."""
@@ -141,7 +155,34 @@ def _reuse_or_zeros(leaf: Any, shape: jax.ShapeDtypeStruct) -> jax.Array:
     """
     if leaf is not None and _same_layout(leaf, shape):
         return leaf
+    if leaf is not None and _dead_term_fits(leaf, shape):
+        return _reduced_view(leaf)
     return _tree.zeros_like(shape)
+
+
+def _dead_term_fits(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
+    """Whether ``leaf``, a dead per-device term, has ``shape``'s buffer on
+    every device: its shape, dtype and partitions, unreduced over axes."""
+    return (
+        bool(_tree.unreduced_axes(leaf))
+        and not _tree.unreduced_axes(shape)
+        and (jnp.shape(leaf), jnp.result_type(leaf)) == (shape.shape, shape.dtype)
+        and _placement.normalized(_tree.partitions(leaf))
+        == _placement.normalized(_tree.partitions(shape))
+    )
+
+
+def _reduced_view(leaf: jax.Array) -> jax.Array:
+    """``leaf``'s buffers typed as an ordinary array (their values, which
+    nothing reads, differ from device to device). Computed from ``leaf``,
+    so XLA writes it where ``leaf`` was, once ``leaf`` is dead."""
+    parts = _tree.partitions(leaf)
+    return jax.shard_map(
+        lambda block: block * 0,
+        in_specs=P(*parts, unreduced=set(_tree.unreduced_axes(leaf))),
+        out_specs=P(*parts),
+        check_vma=False,
+    )(leaf)
 
 
 def window_has_weight(acc_weight: jax.Array) -> jax.Array:
