@@ -173,12 +173,13 @@ def _dead_term_fits(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
 
 
 def _reduced_view(leaf: jax.Array) -> jax.Array:
-    """``leaf``'s buffers typed as an ordinary array (their values, which
-    nothing reads, differ from device to device). Computed from ``leaf``,
-    so XLA writes it where ``leaf`` was, once ``leaf`` is dead."""
+    """``leaf``'s buffers typed as an ordinary array, no data moved: an
+    identity on each device's block (their values, which nothing reads,
+    differ from device to device). Unchecked: JAX has no cast from
+    unreduced to varying or replicated."""
     parts = _tree.partitions(leaf)
     return jax.shard_map(
-        lambda block: block * 0,
+        lambda block: block,
         in_specs=P(*parts, unreduced=set(_tree.unreduced_axes(leaf))),
         out_specs=P(*parts),
         check_vma=False,
