@@ -87,7 +87,7 @@ ELSEWHERE = (
         "about 40 minutes on 2 CPU cores; low_communication_transformer.json",
     ),
     (
-        "sudo PYTHONPATH=. python benchmarks/bench_overlap.py",
+        "PYTHONPATH=. python benchmarks/bench_overlap.py",
         "root (a network namespace, tc)",
     ),
     (
