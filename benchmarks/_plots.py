@@ -295,7 +295,9 @@ def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
 
 
 def scale(results: list[dict], path: Path, where: str) -> Path:
-    """Temporaries and collective bytes per window of each path, per config."""
+    """What a device holds (arguments + outputs + temporaries - aliased, in
+    device memory) and collective bytes per window of each path, per
+    config."""
     configs = list(dict.fromkeys(r["config"] for r in results))
     fig, (memory_ax, bytes_ax) = plt.subplots(1, 2, figsize=(13, 5.5))
     width = 0.8 / max(len(configs), 1)
@@ -305,7 +307,10 @@ def scale(results: list[dict], path: Path, where: str) -> Path:
     for i, config in enumerate(configs):
         by_path = {r["path"]: r for r in results if r["config"] == config}
         # A path that did not compile has no figures: no bar.
-        temps = [by_path.get(p, {}).get("temp_bytes", np.nan) / GIB for p in paths]
+        temps = [
+            (r.get("total_bytes", np.nan) - r.get("host_bytes", 0)) / GIB
+            for r in (by_path.get(p, {}) for p in paths)
+        ]
         sent = [by_path.get(p, {}).get("window_bytes", np.nan) / GIB for p in paths]
         offset = y + (i - (len(configs) - 1) / 2) * width
         memory_ax.barh(offset, temps, height=width, label=config)
@@ -313,7 +318,7 @@ def scale(results: list[dict], path: Path, where: str) -> Path:
         lowest[memory_ax] = np.nanmin([lowest[memory_ax], *temps])
         lowest[bytes_ax] = np.nanmin([lowest[bytes_ax], *sent])
     for ax, title in (
-        (memory_ax, "compiled temporaries per device (GiB)"),
+        (memory_ax, "device memory per device, whole step (GiB)"),
         (bytes_ax, "collective result bytes per device per window (GiB)"),
     ):
         ax.set_yticks(y, paths, fontsize=8)

@@ -44,8 +44,11 @@ ternary window reduction; DiLoCo keeping half of what top-k did not send;
 the window and that DiLoCo with top-k at 50 % in one bit through the
 owners (chunks sent as maps, 1.6 bits an element).
 
-Reported per device, from the compiled program: argument, output and
-temporary bytes (``memory_analysis()``); every collective
+Reported per device, from the compiled program: the total a device holds
+(arguments + outputs + temporaries - aliased, ``memory_analysis()``), the
+bytes in host memory (``pinned_host`` in the compiled shardings, which
+XLA:CPU's totals count as device memory), argument, output and temporary
+bytes; every collective
 (`gradaccum_jax.measure.collectives`) per micro-step and per window, with
 its result bytes on one device, each counted as often as it runs: a
 collective inside a loop of known trip count (a scan over layers or over
@@ -57,7 +60,7 @@ Output: a printed table, ``benchmarks/plots/scale.json`` and
 ``benchmarks/plots/scale.png``.
 
 Run: ``python benchmarks/bench_scale.py [--skip-70b] [--only NAME ...]
-[--paths PATH ...]``: 469 s on 2 CPU cores
+[--paths PATH ...]``: 490 s on 2 CPU cores
 shared with other jobs; the 65B configuration's 19 compiles are about a
 fifth of it.
 """
@@ -503,6 +506,7 @@ def _measure(config, path, mesh, spec):
         compiled = lowered.compile()
         seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
+    host = _host_bytes(compiled, (params, state, batch))
     found = collectives(compiled, mesh)
     micro, micro_bytes, window, window_bytes = _per_micro_and_window(found, kind)
     # What crosses `dcn` (the slow network between slices) per window.
@@ -515,6 +519,15 @@ def _measure(config, path, mesh, spec):
         "argument_bytes": memory.argument_size_in_bytes,
         "output_bytes": memory.output_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,
+        "alias_bytes": memory.alias_size_in_bytes,
+        # What a device holds at once: XLA:CPU counts buffers in host
+        # memory (`pinned_host`) with the others, so they are told apart
+        # by the compiled shardings.
+        "total_bytes": memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes,
+        "host_bytes": host,
         "micro_step": micro,
         "micro_step_bytes": micro_bytes,
         "window_only": window,
@@ -527,6 +540,29 @@ def _measure(config, path, mesh, spec):
             {k: v for k, v in c._asdict().items() if k != "groups"} for c in found
         ],
     }
+
+
+def _host_bytes(compiled, arguments) -> int:
+    """Bytes a device keeps in host memory (``pinned_host``): its shards of
+    the arguments (as given) and of the outputs (as compiled) placed there,
+    each buffer once (an output aliasing a donated argument is that
+    argument)."""
+    import jax
+    import numpy as np
+
+    def placed(shardings, avals):
+        return sum(
+            int(np.prod(s.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+            for s, a in zip(shardings, avals, strict=True)
+            if getattr(s, "memory_kind", None) == "pinned_host"
+        )
+
+    leaves = jax.tree.leaves(arguments)
+    outputs = jax.tree.leaves(compiled.out_info)
+    return max(
+        placed([leaf.sharding for leaf in leaves], leaves),
+        placed(jax.tree.leaves(compiled.output_shardings), outputs),
+    )
 
 
 def worker(configs, paths, out):
@@ -585,11 +621,12 @@ def _counts(counts):
 def _row(r):
     if "error" in r:
         return (
-            f"| {r['config']} | {r['path']} | {r['error']} | | | | | | "
+            f"| {r['config']} | {r['path']} | {r['error']} | | | | | | | | "
             f"| {r['compile_s']:.1f} |"
         )
     return (
-        f"| {r['config']} | {r['path']} | {r['argument_bytes'] / GIB:.3f} "
+        f"| {r['config']} | {r['path']} | {r['total_bytes'] / GIB:.3f} "
+        f"| {r['host_bytes'] / GIB:.3f} | {r['argument_bytes'] / GIB:.3f} "
         f"| {r['output_bytes'] / GIB:.3f} | {r['temp_bytes'] / GIB:.3f} "
         f"| {_counts(r['micro_step'])}, {r['micro_step_bytes'] / MIB:.1f} "
         f"| {_counts(r['window_only'])} | {r['window_bytes'] / MIB:.1f} "
@@ -604,10 +641,11 @@ def _over_dcn(r):
 
 
 HEADER = (
-    "| configuration | path | arguments GiB | outputs GiB | temporaries GiB "
+    "| configuration | path | total GiB | in host memory GiB | arguments GiB "
+    "| outputs GiB | temporaries GiB "
     "| per micro-step: collectives, MiB | once per window | MiB per window "
     "| MiB over dcn per window | compile s |\n"
-    "|---|---|---:|---:|---:|---|---|---:|---:|---:|"
+    "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
 )
 
 

@@ -360,3 +360,40 @@ def test_step_traffic_tells_once_per_window_from_every_micro_step(mesh):
     assert every.every_call == {("data",): 16 * 8 * 4}
     # The same program read for a summed axis it does not cross.
     assert step_traffic(_window_step(mesh, local=False), mesh, "model").once_per_window
+
+
+def test_bench_scale_tells_host_memory_apart_by_the_compiled_shardings():
+    """XLA:CPU counts a ``pinned_host`` buffer in ``memory_analysis()`` like
+    any other: `bench_scale.py` reads which bytes a device keeps in host
+    memory from the shardings, each buffer once (a donated argument and
+    the output that aliases it)."""
+    import importlib.util  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from helpers import REPO  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_scale", REPO / "benchmarks" / "bench_scale.py"
+    )
+    bench_scale = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec.loader.exec_module(bench_scale)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    mesh = jax.make_mesh((8,), ("data",))
+    on_device = NamedSharding(mesh, P("data"))
+    on_host = NamedSharding(mesh, P("data"), memory_kind="pinned_host")
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=on_device)
+    y = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=on_host)
+    step = jax.jit(
+        lambda x, y: (x * 2, y + 1),
+        out_shardings=(on_device, on_host),
+        donate_argnums=1,
+    )
+    compiled = step.lower(x, y).compile()
+    shard = 64 * 128 * 4 // 8
+    assert bench_scale._host_bytes(compiled, (x, y)) == shard
+    assert bench_scale._host_bytes(compiled, (x, x)) == shard  # the output's
+    device_only = jax.jit(lambda x: x * 2).lower(x).compile()
+    assert bench_scale._host_bytes(device_only, (x,)) == 0
