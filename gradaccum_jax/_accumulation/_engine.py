@@ -294,7 +294,7 @@ def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
         for name, stat in config.statistics.items()
     }
     updates, inner_state, stepped = _step_if_weighted(
-        emission, updates, reduced, weight, carry.inner_state
+        emission, updates, reduced, window_sum, weight, carry.inner_state
     )
     return WindowCarry(
         updates=updates,
@@ -307,7 +307,9 @@ def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
     )
 
 
-def _step_if_weighted(emission: _Emission, updates, reduced, weight, inner_state):
+def _step_if_weighted(
+    emission: _Emission, updates, reduced, window_sum, weight, inner_state
+):
     """The inner optimizer's step on the window, if the window has weight.
 
     A window of zero weight (all padding, all skipped) closes without
@@ -323,19 +325,21 @@ def _step_if_weighted(emission: _Emission, updates, reduced, weight, inner_state
     never held at once.
     """
     stepped = _inner_step.window_has_weight(weight)
-    window_sum = functools.partial(_window_sum, emission)
-    in_sums = emission.slots.holds_none and emission.slots.fits_updates(
-        jax.eval_shape(window_sum, updates, reduced)
-    )
+    sums_def = jax.tree.structure(window_sum)
+    in_sums = emission.slots.holds_none and emission.slots.fits_updates(window_sum)
     if in_sums:
-        sums = window_sum(updates, reduced)
-        sums_def = jax.tree.structure(sums)
-        updates, reduced = jax.tree.leaves(sums), ()
+        updates, reduced = jax.tree.leaves(window_sum), ()
 
     def step(carry):
         updates, reduced, weight, inner_state = carry
-        sums = sums_def.unflatten(updates) if in_sums else window_sum(updates, reduced)
-        new_updates, inner_state = emission.inner_update(sums, weight, inner_state)
+        if in_sums:
+            window_sum = sums_def.unflatten(updates)
+        else:
+            whole = functools.partial(emission.slots.window, updates)
+            window_sum = emission.config.store.window_sum(whole, reduced)
+        new_updates, inner_state = emission.inner_update(
+            window_sum, weight, inner_state
+        )
         return jax.tree.leaves(new_updates), reduced, weight, inner_state
 
     updates, _, _, inner_state = run_if(
@@ -344,12 +348,6 @@ def _step_if_weighted(emission: _Emission, updates, reduced, weight, inner_state
     # Not stepped, the slots still hold the (zero-weight) window.
     updates = [jnp.where(stepped, u, jnp.zeros((), u.dtype)) for u in updates]
     return updates, inner_state, stepped
-
-
-def _window_sum(emission: _Emission, updates: list[Any], reduced: Any) -> Any:
-    """The window's sum, from its update-holding leaves and its reduced rest."""
-    whole = functools.partial(emission.slots.window, updates)
-    return emission.config.store.window_sum(whole, reduced)
 
 
 def reset(config: Configuration, state: MultiStepsState) -> MultiStepsState:
