@@ -295,9 +295,10 @@ def loss_against_bytes(records: list[dict], path: Path, where: str) -> Path:
 
 
 def scale(results: list[dict], path: Path, where: str) -> Path:
-    """What a device holds (arguments + outputs + temporaries - aliased, in
-    device memory) and collective bytes per window of each path, per
-    config."""
+    """What a device holds in its own memory (arguments + outputs +
+    temporaries - aliased, less what is in host memory, plus what a DiLoCo
+    sync brings from there) and collective bytes per window of each path,
+    per config."""
     configs = list(dict.fromkeys(r["config"] for r in results))
     fig, (memory_ax, bytes_ax) = plt.subplots(1, 2, figsize=(13, 5.5))
     width = 0.8 / max(len(configs), 1)
@@ -308,7 +309,7 @@ def scale(results: list[dict], path: Path, where: str) -> Path:
         by_path = {r["path"]: r for r in results if r["config"] == config}
         # A path that did not compile has no figures: no bar.
         temps = [
-            (r.get("total_bytes", np.nan) - r.get("host_bytes", 0)) / GIB
+            r.get("device_bytes", np.nan) / GIB
             for r in (by_path.get(p, {}) for p in paths)
         ]
         sent = [by_path.get(p, {}).get("window_bytes", np.nan) / GIB for p in paths]

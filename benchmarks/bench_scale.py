@@ -102,6 +102,11 @@ PATHS = (
     "diloco top-k reduce-scatter, F=1",
     "diloco E2M1, F=1",
     "diloco PowerSGD, F=1",
+    # `diloco(offload_outer_state=True)`: the anchor, the outer momentum and
+    # the top-k residual in host memory; with F=4 a sync brings a quarter of
+    # them to the device.
+    "diloco top-k, host outer state, F=1",
+    "diloco top-k, host outer state, F=4",
 )
 # The codecs of the "<codec> window" and "diloco <codec>" paths: top-k at
 # SparseLoCo's 1 % in 2 bits (its payloads all-gathered, or summed through
@@ -406,6 +411,7 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis, batch_axes):
             fragments=int(path.rsplit("F=", 1)[1]),
             fragment_axis=fragment_axis,
             keep_unsent=float(keep),
+            offload_outer_state=", host outer state" in path,
         )
         grad_fn = ga.worker_value_and_grad(loss, workers_axis)
         return (*accumulating(tx, lambda *a: grad_fn(*a)[1]), "micro", True)
@@ -477,17 +483,16 @@ def _measure(config, path, mesh, spec):
     )
     rows_factor = K if kind == "window" else 1
 
-    def abstract(shape, dtype, pspec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec))
-
-    def concrete(leaf):
-        pspec = getattr(getattr(leaf, "sharding", None), "spec", None) or P()
-        return abstract(leaf.shape, leaf.dtype, pspec)
+    def abstract(shape, dtype, pspec, memory_kind=None):
+        sharding = NamedSharding(mesh, pspec, memory_kind=memory_kind)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def stack(leaf):
-        pspec = getattr(getattr(leaf, "sharding", None), "spec", None) or P()
         n = dict(zip(axes, mesh.devices.shape, strict=True))[workers_axis]
-        return abstract((n, *leaf.shape), leaf.dtype, P(workers_axis, *pspec))
+        sharding = leaf.sharding  # None: a scalar, replicated
+        pspec = P(workers_axis, *(() if sharding is None else sharding.spec))
+        kind = None if sharding is None else sharding.memory_kind
+        return abstract((n, *leaf.shape), leaf.dtype, pspec, kind)
 
     is_spec = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)  # noqa: E731
     params = jax.tree.map(
@@ -498,7 +503,17 @@ def _measure(config, path, mesh, spec):
         for shape, dtype, pspec in batch_spec
     ]
     with jax.set_mesh(mesh):
-        state = jax.tree.map(concrete, jax.eval_shape(tx.init, params))
+        # The state as `init` lays it out, memory kinds included: the
+        # compiled init's output shardings say them (jax.eval_shape's and a
+        # lowering's outputs drop some).
+        init = jax.jit(tx.init).lower(params).compile()
+        state = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=sharding
+            ),
+            init.out_info,
+            init.output_shardings,
+        )
         if stacked:
             params, state = jax.tree.map(stack, (params, state))
         start = time.perf_counter()
@@ -506,7 +521,14 @@ def _measure(config, path, mesh, spec):
         compiled = lowered.compile()
         seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
+    total = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
     host = _host_bytes(compiled, (params, state, batch))
+    sync_host = _sync_host_bytes(state, host)
     found = collectives(compiled, mesh)
     micro, micro_bytes, window, window_bytes = _per_micro_and_window(found, kind)
     # What crosses `dcn` (the slow network between slices) per window.
@@ -523,11 +545,14 @@ def _measure(config, path, mesh, spec):
         # What a device holds at once: XLA:CPU counts buffers in host
         # memory (`pinned_host`) with the others, so they are told apart
         # by the compiled shardings.
-        "total_bytes": memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        + memory.temp_size_in_bytes
-        - memory.alias_size_in_bytes,
+        "total_bytes": total,
         "host_bytes": host,
+        # What a DiLoCo sync brings from host memory to the device at once,
+        # which XLA:CPU does not count (it computes on the host buffers):
+        # the largest fragment's share of the outer state.
+        "sync_host_bytes": sync_host,
+        # What the device's own memory must hold.
+        "device_bytes": total - host + sync_host,
         "micro_step": micro,
         "micro_step_bytes": micro_bytes,
         "window_only": window,
@@ -563,6 +588,23 @@ def _host_bytes(compiled, arguments) -> int:
         placed([leaf.sharding for leaf in leaves], leaves),
         placed(jax.tree.leaves(compiled.output_shardings), outputs),
     )
+
+
+def _sync_host_bytes(state, host: int) -> int:
+    """The largest fragment's part of ``host``, the bytes of a `DiLoCoState`
+    kept in host memory: each fragment's sync brings its pieces of the
+    anchor, outer state and residuals, every one of them over the same
+    pieces, so its part is its outer state's share of the outer states'
+    bytes. 0 for another state, or nothing in host memory."""
+    import jax
+
+    if not host or not hasattr(state, "outer_states"):
+        return 0
+    sizes = [
+        sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(outer))
+        for outer in state.outer_states
+    ]
+    return int(host * max(sizes) / sum(sizes))
 
 
 def worker(configs, paths, out):
@@ -621,12 +663,13 @@ def _counts(counts):
 def _row(r):
     if "error" in r:
         return (
-            f"| {r['config']} | {r['path']} | {r['error']} | | | | | | | | "
+            f"| {r['config']} | {r['path']} | {r['error']} | | | | | | | | | "
             f"| {r['compile_s']:.1f} |"
         )
     return (
         f"| {r['config']} | {r['path']} | {r['total_bytes'] / GIB:.3f} "
-        f"| {r['host_bytes'] / GIB:.3f} | {r['argument_bytes'] / GIB:.3f} "
+        f"| {r['host_bytes'] / GIB:.3f} | {r['device_bytes'] / GIB:.3f} "
+        f"| {r['argument_bytes'] / GIB:.3f} "
         f"| {r['output_bytes'] / GIB:.3f} | {r['temp_bytes'] / GIB:.3f} "
         f"| {_counts(r['micro_step'])}, {r['micro_step_bytes'] / MIB:.1f} "
         f"| {_counts(r['window_only'])} | {r['window_bytes'] / MIB:.1f} "
@@ -641,11 +684,11 @@ def _over_dcn(r):
 
 
 HEADER = (
-    "| configuration | path | total GiB | in host memory GiB | arguments GiB "
-    "| outputs GiB | temporaries GiB "
+    "| configuration | path | total GiB | in host memory GiB "
+    "| on the device GiB | arguments GiB | outputs GiB | temporaries GiB "
     "| per micro-step: collectives, MiB | once per window | MiB per window "
     "| MiB over dcn per window | compile s |\n"
-    "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
+    "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
 )
 
 
@@ -757,6 +800,23 @@ def headline(results: list[dict]) -> dict[str, tuple[float, float]]:
             1.0,
         )
     once = reference.get("once per window (local_value_and_grad)", {})
+    if "total_bytes" in once and "total_bytes" in plain:
+        figures["reference: total, once per window / plain"] = (
+            once["total_bytes"] / plain["total_bytes"],
+            1.05,
+        )
+    topk, window = reference.get("top-k window", {}), once
+    if "temp_bytes" in topk and "temp_bytes" in window:
+        figures["reference: temporaries, top-k window / float32 window"] = (
+            topk["temp_bytes"] / window["temp_bytes"],
+            1.1,
+        )
+    offloaded = reference.get("diloco top-k, host outer state, F=4", {})
+    if "total_bytes" in offloaded and "total_bytes" in optax_path:
+        figures["reference: device total, diloco top-k host F=4 / optax's"] = (
+            offloaded["device_bytes"] / optax_path["total_bytes"],
+            1.0,
+        )
     if "micro_step" in once:
         # The window is reduced once: nothing else needs gathering.
         figures["reference: all-gathers per micro-step, once-per-window path"] = (

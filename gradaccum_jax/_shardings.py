@@ -80,8 +80,16 @@ def state_shardings(tx: Any, params: Any, mesh: Any = None) -> Any:
         lambda leaf: _abstract_on(twin, leaf), params, is_leaf=_tree.is_metadata_box
     )
     with jax.set_mesh(twin):
-        state = jax.eval_shape(tx.init, abstract)
-    return jax.tree.map(lambda leaf: NamedSharding(mesh, _spec(leaf)), state)
+        # A jaxpr's types, not jax.eval_shape's: they keep where each leaf
+        # lives (host memory, for `diloco(offload_outer_state=True)`).
+        traced, state = jax.make_jaxpr(tx.init, return_shape=True)(abstract)
+    return jax.tree.unflatten(
+        jax.tree.structure(state),
+        [
+            NamedSharding(mesh, _spec(aval), memory_kind=_memory_kind(aval))
+            for aval in traced.out_avals
+        ],
+    )
 
 
 def _concrete_mesh(mesh: Any) -> jax.sharding.Mesh:
@@ -129,6 +137,14 @@ def _box_spec(box: Any) -> P:
     metadata = box.get_metadata() if hasattr(box, "get_metadata") else {}
     names = metadata.get("out_sharding") or metadata.get("sharding_names")
     return P(*names) if names else P()
+
+
+def _memory_kind(aval: Any) -> str | None:
+    """``"pinned_host"`` for a leaf typed in host memory; None (the
+    default, device memory) otherwise."""
+    if getattr(aval, "memory_space", None) == jax.memory.Space.Host:
+        return "pinned_host"
+    return None
 
 
 def _spec(leaf: Any) -> P:

@@ -348,6 +348,7 @@ TABLE: list[Row] = [
         (-0.1, 1.01, NAN, INF, "0.5", True, None),
         r"number in \[0, 1\]",
     ),
+    Row("diloco", "offload_outer_state", ("False", None, 1), BOOL),
     Row("worker_value_and_grad", "loss_fn", (3, None), CALLABLE),
     Row("worker_value_and_grad", "axis_name", ("", None, 3, ("data",)), AXIS_NAME),
     Row("worker_value_and_grad", "has_aux", ("False", None), BOOL),

@@ -1498,6 +1498,184 @@ def test_checkpoint_mid_cycle_resumes_bitwise(keep_unsent):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# --- the outer state in host memory -------------------------------------------
+
+# The fields `offload_outer_state=True` keeps in host memory.
+OFFLOADED = ("anchor", "outer_states", "reduction_states")
+
+
+def _topk_diloco(offload, fragments=2, keep_unsent=0.0):
+    """Adam inner, a top-k outer mean whose residual every leaf keeps."""
+    return ga.diloco(
+        optax.adam(0.05),
+        2,
+        axis_name="data",
+        outer_reduction=ga.compressed_average_across_devices(
+            "data", ga.codecs.topk(0.25, min_size=1), seed=0
+        ),
+        fragments=fragments,
+        keep_unsent=keep_unsent,
+        offload_outer_state=offload,
+    )
+
+
+def _memory_kinds(state, shardings=None):
+    """Per field of a `DiLoCoState` that holds arrays, the memory kinds of
+    its arrays (or of ``shardings``, a tree of the state's shardings)."""
+    tree = state if shardings is None else shardings
+    kinds = {}
+    for field, part in zip(state._fields, tree, strict=True):
+        if leaves := jax.tree.leaves(part):
+            kinds[field] = {getattr(x, "sharding", x).memory_kind for x in leaves}
+    return kinds
+
+
+def _expected_kinds(state, offload=True):
+    """`_memory_kinds` of a state made with ``offload_outer_state=offload``."""
+    return {
+        field: {"pinned_host" if offload and field in OFFLOADED else "device"}
+        for field in _memory_kinds(state)
+    }
+
+
+def _assert_bitwise(have, want):
+    for a, b in zip(jax.tree.leaves(have), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    ("path", "dtype"),
+    [
+        ("shard_map", np.float32),
+        ("1d-explicit", np.float32),
+        ("1d-auto", np.float32),
+        ("2d-tp", np.float32),
+        ("2d-tp", jnp.bfloat16),
+        ("2d-auto-tp", np.float32),
+        ("2d-fsdp", np.float32),
+    ],
+    ids=lambda x: x if isinstance(x, str) else np.dtype(x).name,
+)
+def test_an_offloaded_outer_state_lives_in_host_memory_with_the_same_bits(path, dtype):
+    """``offload_outer_state=True``: the anchor, the outer momenta and the
+    top-k residuals are ``pinned_host`` arrays, in the compiled step's
+    input and output shardings as well as in the state it returns (the
+    inner state stays in device memory); two cycles of two fragments with
+    a residual on every leaf give the same params and state bitwise."""
+    params = jax.tree.map(lambda x: x.astype(dtype), _params())
+    workers = LAYOUTS[path][0][0] if path in LAYOUTS else N
+    grads_seq = _grads(workers, 5, dtype)
+    if path == "shard_map":
+        want = run_shard_map(_topk_diloco(False), params, grads_seq)
+        have = run_shard_map(_topk_diloco(True), params, grads_seq)
+        state = have[1]
+    else:
+        want = run_stacked(_topk_diloco(False), params, grads_seq, path)[:2]
+        have_params, state, compiled = run_stacked(
+            _topk_diloco(True), params, grads_seq, path
+        )
+        have = (have_params, state)
+        _, state_in = compiled.input_shardings[0][:2]
+        assert _memory_kinds(state, state_in) == _expected_kinds(state)
+        assert _memory_kinds(state, compiled.output_shardings[1]) == (
+            _expected_kinds(state)
+        )
+        residuals = [s.residual for s in state.reduction_states]
+        assert len(jax.tree.leaves(residuals)) == len(params)  # one a leaf
+    assert _memory_kinds(state) == _expected_kinds(state)
+    _assert_bitwise(have, want)
+
+
+def test_one_offloaded_worker_is_in_host_memory_eagerly_and_under_jit():
+    """One worker (no axis): ``init`` and ``update`` keep the outer state in
+    host memory called eagerly and jitted, with the same bits as on the
+    device."""
+    params = _params()
+    grads = [jax.tree.map(lambda g: g[0], g) for g in _grads(1, 4)]
+    runs = {}
+    for offload in (False, True):
+        opt = ga.diloco(optax.adam(0.05), 2, offload_outer_state=offload)
+        p, state = params, opt.init(params)
+        assert _memory_kinds(state) == _expected_kinds(state, offload)
+        update = jax.jit(opt.update)
+        for i, g in enumerate(grads):
+            updates, state = (opt.update if i % 2 else update)(g, state, p)
+            p = optax.apply_updates(p, updates)
+        runs[offload] = (p, state)
+    assert _memory_kinds(runs[True][1]) == _expected_kinds(runs[True][1])
+    _assert_bitwise(runs[True], runs[False])
+
+
+def test_an_offloaded_state_restores_into_host_memory_and_resumes_bitwise(tmp_path):
+    """Saved mid-cycle with orbax and restored into the shardings of the
+    compiled ``init`` (which carry the memory kinds; ``jax.eval_shape``'s do
+    not), the outer state comes back in host memory and the run goes on
+    bitwise; restored into device memory (``jax.eval_shape``'s layout), the
+    first ``update`` puts it back, with the same bits."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    params, grads_seq = _big_params(), _big_grads(6)
+    opt = _topk_diloco(True, keep_unsent=0.5)
+    straight, straight_state, _ = run_stacked(opt, params, grads_seq)
+    first, state, _ = run_stacked(opt, params, grads_seq[:3])  # mid-cycle
+    mesh = stacked_mesh("1d-explicit")
+    with jax.set_mesh(mesh):
+
+        def stacked_init(p):
+            return ga.stack_workers(opt.init(p), "data")
+
+        init = jax.jit(stacked_init).lower(params).compile()
+        with_kinds = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=sharding
+            ),
+            init.out_info,
+            init.output_shardings,
+        )
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp_path / "state", state)
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(tmp_path / "state", with_kinds)
+        assert _memory_kinds(restored) == _expected_kinds(restored)
+        on_device = jax.tree.map(
+            lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")),
+            restored,
+        )
+        assert _memory_kinds(on_device)["anchor"] == {"device"}
+        step = jax.jit(lambda p, s, g: opt.update(g, s, p))
+        for resumed in (restored, on_device):
+            p = first
+            for grads in grads_seq[3:]:
+                grads = jax.device_put(grads, P("data"))
+                updates, resumed = step(p, resumed, grads)
+                p = optax.apply_updates(p, updates)
+            assert _memory_kinds(resumed) == _expected_kinds(resumed)
+            _assert_bitwise((p, resumed), (straight, straight_state))
+
+
+def test_offload_outer_state_is_refused_without_a_host_memory_kind(monkeypatch):
+    """A backend whose devices have no ``pinned_host`` memory: ``diloco``
+    names the argument and the kinds the devices have."""
+
+    class Memory:
+        def __init__(self, kind):
+            self.kind = kind
+
+    class Device:
+        platform = "tpu-without-host"
+
+        def addressable_memories(self):
+            return [Memory("device")]
+
+    monkeypatch.setattr(jax, "devices", lambda *_: [Device()])
+    with pytest.raises(ValueError, match=r"`offload_outer_state=True`.*\['device'\]"):
+        ga.diloco(optax.sgd(0.1), 2, offload_outer_state=True)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="`offload_outer_state` must be a bool"):
+        ga.diloco(optax.sgd(0.1), 2, offload_outer_state="yes")
+
+
 # --- errors --------------------------------------------------------------------
 
 

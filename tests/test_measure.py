@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
+import gradaccum_jax as ga
 from gradaccum_jax.measure import Collective, collectives
 from helpers import compiled_reference
 
@@ -362,11 +364,8 @@ def test_step_traffic_tells_once_per_window_from_every_micro_step(mesh):
     assert step_traffic(_window_step(mesh, local=False), mesh, "model").once_per_window
 
 
-def test_bench_scale_tells_host_memory_apart_by_the_compiled_shardings():
-    """XLA:CPU counts a ``pinned_host`` buffer in ``memory_analysis()`` like
-    any other: `bench_scale.py` reads which bytes a device keeps in host
-    memory from the shardings, each buffer once (a donated argument and
-    the output that aliases it)."""
+def _bench_scale():
+    """``benchmarks/bench_scale.py`` as a module."""
     import importlib.util  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
@@ -381,6 +380,15 @@ def test_bench_scale_tells_host_memory_apart_by_the_compiled_shardings():
         spec.loader.exec_module(bench_scale)
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+    return bench_scale
+
+
+def test_bench_scale_tells_host_memory_apart_by_the_compiled_shardings():
+    """XLA:CPU counts a ``pinned_host`` buffer in ``memory_analysis()`` like
+    any other: `bench_scale.py` reads which bytes a device keeps in host
+    memory from the shardings, each buffer once (a donated argument and
+    the output that aliases it)."""
+    bench_scale = _bench_scale()
     mesh = jax.make_mesh((8,), ("data",))
     on_device = NamedSharding(mesh, P("data"))
     on_host = NamedSharding(mesh, P("data"), memory_kind="pinned_host")
@@ -397,3 +405,16 @@ def test_bench_scale_tells_host_memory_apart_by_the_compiled_shardings():
     assert bench_scale._host_bytes(compiled, (x, x)) == shard  # the output's
     device_only = jax.jit(lambda x: x * 2).lower(x).compile()
     assert bench_scale._host_bytes(device_only, (x,)) == 0
+
+
+def test_bench_scale_counts_the_fragment_a_diloco_sync_brings_over():
+    """XLA:CPU computes on the host buffers, so `bench_scale.py` adds what a
+    sync brings to the device: the largest fragment's share of the outer
+    state in host memory (its outer state's share of the outer states)."""
+    bench_scale = _bench_scale()
+    params = {"a": jnp.zeros((300, 4)), "b": jnp.zeros((100, 4))}
+    opt = ga.diloco(optax.sgd(0.1), 4, fragments=2, offload_outer_state=True)
+    state = jax.eval_shape(opt.init, params)
+    assert bench_scale._sync_host_bytes(state, 8000) == 6000  # 300 of 400 rows
+    assert bench_scale._sync_host_bytes(state, 0) == 0
+    assert bench_scale._sync_host_bytes(optax.EmptyState(), 8000) == 0

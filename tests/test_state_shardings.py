@@ -66,6 +66,10 @@ def _transformations():
             unreduced_axes="data",
             window_reduction=ga.compressed_window_reduction(ga.codecs.topk(0.25)),
         ),
+        # Its anchor and outer momentum in host memory.
+        "diloco offloaded": ga.diloco(
+            optax.adam(1e-2), 2, fragments=2, offload_outer_state=True
+        ),
     }
 
 
@@ -100,6 +104,9 @@ def test_explicit_declared_shardings_are_the_state_types(name):
     ]
     assert [_normalized(s) for s in _specs(from_arrays)] == typed
     assert _specs(from_structs) == _specs(from_arrays)
+    kinds = [s.memory_kind for s in jax.tree.leaves(from_arrays)]
+    assert kinds == [leaf.sharding.memory_kind for leaf in jax.tree.leaves(state)]
+    assert ("pinned_host" in kinds) == (name == "diloco offloaded")
     assert jax.tree.structure(from_arrays) == jax.tree.structure(state)
 
 
@@ -196,3 +203,47 @@ def test_flax_boxes_map_through_the_active_rules():
     assert _normalized(declared.inner_opt_state[0].mu["kernel"].spec) == (None, "model")
     assert not isinstance(state.acc_grads["kernel"], nn.LogicallyPartitioned)
     assert isinstance(state.inner_opt_state[0].mu["kernel"], nn.LogicallyPartitioned)
+
+
+def test_a_step_declared_with_them_keeps_an_offloaded_state_in_host_memory():
+    """On an Auto mesh a jitted step whose ``in_shardings`` and
+    ``out_shardings`` are `state_shardings` keeps `diloco`'s anchor and
+    outer momentum in host memory, call after call, with the values of
+    the state kept on the device."""
+    mesh = _mesh(AxisType.Auto)
+    results = {}
+    with jax.set_mesh(mesh):
+        params = _params(mesh)
+        for offload in (False, True):
+            tx = ga.diloco(optax.adam(1e-2), 2, offload_outer_state=offload)
+            declared = ga.state_shardings(tx, params)
+            state = jax.jit(tx.init, out_shardings=declared)(params)
+
+            def step(params, state, x, y, tx=tx):
+                grads = jax.grad(_loss)(params, x, y)
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+
+            param_shardings = jax.tree.map(lambda p: p.sharding, params)
+            step = jax.jit(
+                step,
+                in_shardings=(param_shardings, declared, None, None),
+                out_shardings=(param_shardings, declared),
+            )
+            p = params
+            for seed in range(3):
+                rs = np.random.RandomState(seed)
+                x, y = rs.randn(8, 16).astype(np.float32), rs.randn(8, 4)
+                p, state = jax.block_until_ready(step(p, state, x, y.astype("f4")))
+            results[offload] = (p, state)
+    state = results[True][1]
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.anchor)} == {
+        "pinned_host"
+    }
+    assert {
+        leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.inner_state)
+    } == {"device"}
+    for a, b in zip(
+        jax.tree.leaves(results[True]), jax.tree.leaves(results[False]), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

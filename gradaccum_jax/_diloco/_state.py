@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from gradaccum_jax._diloco import _fragments
+from gradaccum_jax._diloco._offload import to_host
 from gradaccum_jax._diloco._sync import reduction_init, wide
 
 
@@ -37,6 +38,9 @@ class DiLoCoState(NamedTuple):
       cycle_weights: float32 ``[fragments]``, the weight (e.g. tokens) this
         worker saw since each fragment's last sync.
 
+    With ``diloco(offload_outer_state=True)`` the anchor, the outer
+    states and the reduction states are in host memory (``pinned_host``).
+
     Every field is an array or a pytree of arrays, so the state goes
     through ``jax.jit``, ``pmap``, ``shard_map`` and a checkpoint round
     trip unchanged.
@@ -56,8 +60,10 @@ def init_state(
     outer: optax.GradientTransformation,
     reduction: optax.GradientTransformation | None,
     fragments: tuple[_fragments.Fragment, ...],
+    offload: bool = False,
 ) -> DiLoCoState:
-    """A fresh state: the anchor is a copy of ``params``, nothing seen yet."""
+    """A fresh state: the anchor is a copy of ``params``, nothing seen yet;
+    with ``offload``, the anchor and the outer states in host memory."""
     leaves = jax.tree.leaves(params)
     outer_states, reduction_states = [], []
     for index, fragment in enumerate(fragments):
@@ -76,6 +82,10 @@ def init_state(
     # A copy, not the params themselves: a donated train step would hand
     # the anchor's buffers to the new params otherwise.
     anchor = jax.tree.map(jnp.copy, params)
+    if offload:
+        anchor, outer_states, reduction_states = to_host(
+            (anchor, outer_states, reduction_states)
+        )
     return DiLoCoState(
         cycle_step=jnp.zeros([], jnp.int32),
         inner_state=inner.init(params),

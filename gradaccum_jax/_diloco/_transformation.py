@@ -12,6 +12,7 @@ from gradaccum_jax import _checks
 from gradaccum_jax._averaging import average_across_devices
 from gradaccum_jax._compression._error_feedback import keeps_a_residual
 from gradaccum_jax._diloco import _fragments, _update
+from gradaccum_jax._diloco._offload import check_host_memory
 from gradaccum_jax._diloco._state import DiLoCoState, init_state
 from gradaccum_jax._diloco._worker import WorkerConfig, worker_update
 
@@ -26,6 +27,7 @@ def diloco(
     fragments: int = 1,
     fragment_axis: Any = None,
     keep_unsent: float = 0.0,
+    offload_outer_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo: workers train alone and sync every ``sync_every`` steps.
 
@@ -104,6 +106,16 @@ def diloco(
         the anchor). Above 0 it needs an ``outer_reduction`` that keeps an
         error-feedback residual, e.g. ``compressed_average_across_devices(
         axis_name, codecs.topk(0.03, bits=4))``.
+      offload_outer_state: keep the anchor, the outer optimizer's states and
+        the ``outer_reduction``'s states (a codec's residual) in host memory
+        (memory kind ``pinned_host``), where ``init`` puts them; each
+        fragment's sync brings its part to the device and puts it back.
+        The values are the same bitwise; a device holds the inner state
+        and at most one fragment's outer state (``fragments=F``: about 1/F
+        of it, during its sync). Under ``jax.jit`` (stacked workers, one
+        worker) and ``jax.shard_map``; ``jax.pmap`` returns every output in
+        device memory, so there the state comes back each call. A backend
+        without a host memory kind is refused here.
 
     Returns:
       A transformation with a `DiLoCoState`; ``update`` needs ``params``.
@@ -111,11 +123,23 @@ def diloco(
     config, axis = _config(
         inner, sync_every, outer, axis_name, outer_reduction, fragments, fragment_axis
     )
-    config = config._replace(keep_unsent=_keep_unsent(keep_unsent, outer_reduction))
+    config = config._replace(
+        keep_unsent=_keep_unsent(keep_unsent, outer_reduction),
+        offload=_checks.boolean("offload_outer_state", offload_outer_state),
+    )
+    if config.offload:
+        check_host_memory("offload_outer_state")
 
     def init_fn(params: Any) -> DiLoCoState:
         pieces = _fragments.assign(params, config.fragments, config.fragment_axis)
-        state = init_state(params, config.inner, config.outer, config.reduction, pieces)
+        state = init_state(
+            params,
+            config.inner,
+            config.outer,
+            config.reduction,
+            pieces,
+            config.offload,
+        )
         if config.keep_unsent:
             _check_keeps_residual(state, config.keep_unsent)
         return state

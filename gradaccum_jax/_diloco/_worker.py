@@ -18,6 +18,7 @@ import optax
 from gradaccum_jax import _tree, _weights
 from gradaccum_jax._control import run_if
 from gradaccum_jax._diloco import _fragments
+from gradaccum_jax._diloco._offload import to_device, to_host
 from gradaccum_jax._diloco._state import DiLoCoState
 from gradaccum_jax._diloco._sync import SyncCarry, SyncConfig, sync_fragment
 
@@ -33,6 +34,8 @@ class WorkerConfig(NamedTuple):
     fragment_axis: Any  # None, an axis, or a pytree prefix of the params
     keep_unsent: float = 0.0
     axis: Any = None  # the workers' axis; None: a single worker
+    # The anchor and outer states kept in host memory (`_offload`).
+    offload: bool = False
 
 
 def inner_step(
@@ -81,6 +84,12 @@ def worker_update(
     show (the stacked workers' map), for the ``outer_reduction``; None
     where the types show it.
     """
+    if config.offload:  # a state restored into device memory goes back
+        state = state._replace(
+            anchor=to_host(state.anchor),
+            outer_states=to_host(state.outer_states),
+            reduction_states=to_host(state.reduction_states),
+        )
     updates, inner_state, weight = inner_step(
         grads, state, params, weight, extra_args, config
     )
@@ -103,6 +112,7 @@ def worker_update(
             _sync_pieces,
             params=_fragments.take(param_leaves, fragment),
             fragment=fragment,
+            offload=config.offload,
             config=SyncConfig(
                 config.outer,
                 config.reduction,
@@ -134,23 +144,36 @@ def _sync_pieces(
     params: list[Any],
     fragment: _fragments.Fragment,
     config: SyncConfig,
+    offload: bool,
 ) -> SyncCarry:
     """`sync_fragment` on the fragment's pieces of the whole leaves carried.
 
     The loop of `run_if` carries the whole update and anchor leaves; the
     pieces are cut and pasted back inside it, so a sync of a block of
     layers writes those rows in place and a step that does not sync moves
-    nothing.
+    nothing. With ``offload`` the anchor's pieces and the fragment's outer
+    states come from host memory and go back there: cut on the host, so
+    only the fragment's rows travel.
     """
+    here = to_device if offload else _same
+    back = to_host if offload else _same
     synced = sync_fragment(
         carry._replace(
             updates=_fragments.cut(carry.updates, fragment),
-            anchor=_fragments.cut(carry.anchor, fragment),
+            anchor=here(_fragments.cut(carry.anchor, fragment)),
+            outer_state=here(carry.outer_state),
+            reduction_state=here(carry.reduction_state),
         ),
         _fragments.cut(params, fragment),
         config,
     )
     return synced._replace(
         updates=_fragments.paste(carry.updates, fragment, synced.updates),
-        anchor=_fragments.paste(carry.anchor, fragment, synced.anchor),
+        anchor=_fragments.paste(carry.anchor, fragment, back(synced.anchor)),
+        outer_state=back(synced.outer_state),
+        reduction_state=back(synced.reduction_state),
     )
+
+
+def _same(tree: Any) -> Any:
+    return tree
