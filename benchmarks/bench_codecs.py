@@ -53,7 +53,17 @@ goes as a map) against ``jax.lax.top_k`` of the magnitudes (the entries'
 search), each jitted, the median of 5 calls after one; their results
 compared.
 
-Run: ``python benchmarks/bench_codecs.py [bytes|formats|steps|select]``
+``residual``: what a bfloat16 error-feedback residual
+(``residual_dtype=jnp.bfloat16``, rounded stochastically) costs the
+running mean, against the float32 residual: each device feeds a pmapped
+`compressed_average_across_devices` the same input at every step (a
+64 x 128 matrix and a 3 x 32 x 48 stack of layers, of three kinds: a
+constant 0.3, 0.3 with random signs, Gaussian; seed 11), and the relative
+error of the running mean of the returned means, ``|sum_t m_t / T -
+mean| / |mean|``, is read at T = 50 and T = 800 (the larger over the two
+leaves), for each codec of `gradaccum_jax.codecs`.
+
+Run: ``python benchmarks/bench_codecs.py [bytes|formats|steps|select|residual]``
 (all by default; ``steps`` takes minutes: ``--layouts``, ``--rounds``,
 ``--off-sync``, ``--workers``, ``--batch``)
 """
@@ -391,12 +401,102 @@ def selection_times(repeats: int = 5) -> dict[str, float]:
     return times
 
 
+RESIDUAL_STEPS = (50, 800)
+STEADY_SHAPES = {"w": (64, 128), "s": (3, 32, 48)}
+
+
+def residual_errors() -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
+    """Per codec, per residual dtype, per kind of input: the running mean's
+    relative error at `RESIDUAL_STEPS`."""
+    _devices.emulate(DEVICES)
+    import jax
+    import jax.numpy as jnp
+
+    import gradaccum_jax as ga
+    from gradaccum_jax import codecs
+
+    rng = np.random.default_rng(11)
+    inputs = {}
+    for name, shape in STEADY_SHAPES.items():
+        signs = rng.choice([-1.0, 1.0], (DEVICES, *shape))
+        inputs[f"constant {name}"] = np.full((DEVICES, *shape), 0.3, np.float32)
+        inputs[f"signs {name}"] = (0.3 * signs).astype(np.float32)
+        inputs[f"gaussian {name}"] = rng.standard_normal((DEVICES, *shape)).astype(
+            np.float32
+        )
+    target = {name: x.astype(np.float64).mean(0) for name, x in inputs.items()}
+    steady = {
+        "topk(0.03, bits=4)": codecs.topk(0.03, bits=4),
+        "quantized(bits=4)": codecs.quantized(bits=4),
+        "quantized(bits=8)": codecs.quantized(bits=8),
+        "powersgd(2)": codecs.powersgd(2),
+        "ternary": codecs.ternary(),
+    }
+    table = {}
+    for codec_name, codec in steady.items():
+        table[codec_name] = {}
+        for dtype in (jnp.float32, jnp.bfloat16):
+            tx = ga.compressed_average_across_devices(
+                "i", codec, seed=1, residual_dtype=dtype
+            )
+
+            def run(x, state, tx=tx):
+                def step(state, _):
+                    mean, state = tx.update(x, state)
+                    return state, mean
+
+                return jax.lax.scan(step, state, None, length=RESIDUAL_STEPS[-1])[1]
+
+            state = jax.tree.map(
+                lambda x: jnp.broadcast_to(x, (DEVICES, *x.shape)),
+                tx.init(jax.tree.map(lambda x: x[0], inputs)),
+            )
+            means = jax.pmap(run, axis_name="i")(inputs, state)
+            errors = {}
+            for name, series in means.items():
+                running = np.cumsum(np.asarray(series[0], np.float64), axis=0)
+                norm = np.linalg.norm(target[name])
+                errors[name] = [
+                    np.linalg.norm(running[t - 1] / t - target[name]) / norm
+                    for t in RESIDUAL_STEPS
+                ]
+            kinds = dict.fromkeys(name.split()[0] for name in inputs)
+            table[codec_name][jnp.dtype(dtype).name] = {
+                kind: tuple(
+                    max(errors[f"{kind} {leaf}"][i] for leaf in STEADY_SHAPES)
+                    for i in range(len(RESIDUAL_STEPS))
+                )
+                for kind in kinds
+            }
+    return table
+
+
+def residual_table(table: dict) -> str:
+    """`residual_errors` as a markdown table, the bfloat16 / float32 ratio at
+    the last T."""
+    first, last = RESIDUAL_STEPS
+    lines = [
+        f"| codec | input | float32 residual, T={first} | T={last} "
+        f"| bfloat16 residual, T={first} | T={last} | bfloat16 / float32 at T={last} |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for codec, by_dtype in table.items():
+        for kind, (f_early, f_late) in by_dtype["float32"].items():
+            b_early, b_late = by_dtype["bfloat16"][kind]
+            ratio = f"{b_late / f_late:.2f}" if f_late else "-"
+            lines.append(
+                f"| {codec} | {kind} | {f_early:.2e} | {f_late:.2e} "
+                f"| {b_early:.2e} | {b_late:.2e} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "part",
         nargs="?",
-        choices=("bytes", "formats", "steps", "select", "all"),
+        choices=("bytes", "formats", "steps", "select", "residual", "all"),
         default="all",
     )
     parser.add_argument(
@@ -453,6 +553,9 @@ def main() -> None:
             )
             print(steps_table(table))
 
+    if args.part in ("residual", "all"):
+        print("running mean's relative error, float32 and bfloat16 residuals:")
+        print(residual_table(residual_errors()))
     if args.part in ("select", "all"):
         print("half of each of 1,158 chunks of 4096 (4.7M float32), median ms:")
         for name, ms in selection_times().items():

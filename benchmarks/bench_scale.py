@@ -98,6 +98,7 @@ PATHS = (
     "top-k reduce-scatter window",
     "E2M1 window",
     "PowerSGD window",
+    "top-k window, bfloat16 residual",
     "diloco top-k, F=1",
     "diloco top-k reduce-scatter, F=1",
     "diloco E2M1, F=1",
@@ -337,6 +338,9 @@ def _build_path(path, loss, data_axis, workers_axis, fragment_axis, batch_axes):
         "once per window (local_value_and_grad)": lambda: None,
         "ternary window": lambda: ga.ternary_window_reduction(0),
         **{f"{name} window": coded_window(name) for name in CODECS},
+        "top-k window, bfloat16 residual": lambda: ga.compressed_window_reduction(
+            codec("top-k"), residual_dtype=jax.numpy.bfloat16
+        ),
     }
     # DiLoCo's outer reductions, by the word after "diloco" in the path.
     outer_reductions = {

@@ -71,6 +71,7 @@ TABLES = (
     ("bench_codecs.py", ["bytes"]),
     ("bench_codecs.py", ["formats"]),
     ("bench_codecs.py", ["select"]),
+    ("bench_codecs.py", ["residual"]),
     ("bench_codecs.py", ["steps", "--rounds", "12"]),
     ("bench_ternary_tp_bytes.py", []),
     ("bench_noise_scale.py", ["--skip-spread"]),

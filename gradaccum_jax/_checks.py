@@ -159,6 +159,18 @@ def prng_seed(name: str, value: Any) -> int:
     return int(value)
 
 
+def residual_dtype(name: str, dtype: Any) -> jnp.dtype:
+    """Returns ``dtype`` as float32 or bfloat16, or raises for anything else:
+    an error-feedback residual needs float32's range, which float16 lacks
+    (a residual of large gradients would overflow to infinity)."""
+    canonical = float_dtype(name, dtype)
+    if canonical not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(
+            f"`{name}` must be jnp.float32 or jnp.bfloat16, got {canonical.name}."
+        )
+    return canonical
+
+
 def float_dtype(name: str, dtype: Any) -> jnp.dtype:
     """Returns the canonical floating dtype, or raises for anything else."""
     if dtype is None:

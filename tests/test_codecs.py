@@ -270,6 +270,79 @@ def test_error_feedback_sends_every_steady_input(codec):
         assert late <= max(0.1 * early, 1e-6), (kind, early, late)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "codec",
+    [
+        codecs.topk(0.03, bits=4),
+        codecs.quantized(bits=4),
+        codecs.quantized(bits=8),
+        codecs.powersgd(2),
+        codecs.ternary(),
+    ],
+    ids=["topk-3%-4-bit", "e2m1", "int8", "powersgd", "ternary"],
+)
+def test_a_bfloat16_residual_keeps_the_running_mean_within_twice_float32s(codec):
+    """``residual_dtype=jnp.bfloat16``, rounded stochastically: at T = 800
+    the running mean's error is at most twice the float32 residual's, or
+    within 5e-6, where int8 sends almost everything (its float32 error is
+    3e-7 to 8e-7 on one-magnitude inputs, bfloat16's 8e-7 to 2.5e-6)."""
+    errors = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        tx = ga.compressed_average_across_devices(
+            "i", codec, seed=1, residual_dtype=dtype
+        )
+        errors[dtype] = _running_mean_errors_by_leaf(tx, (50, 800), _steady_inputs())
+    for name, (_, float32_late) in errors[jnp.float32].items():
+        late = errors[jnp.bfloat16][name][1]
+        assert late <= max(2 * float32_late, 5e-6), (name, late, float32_late)
+
+
+def test_a_bfloat16_residual_rounds_without_bias():
+    """Between two neighbouring bfloat16 values, 1 and 1 + 2**-7, the value
+    1 + 2**-10 rounds up an eighth of the time: its mean is kept. Nearest
+    rounding would return 1 every time."""
+    from gradaccum_jax._compression import _error_feedback, _random  # noqa: PLC0415
+
+    x = jnp.full((1 << 16,), 1 + 2**-10, jnp.float32)
+    rounded = _error_feedback.bfloat16_stochastic(
+        x, _random.bits(_random.stream(_random.seed_state(3), 0), x)
+    )
+    assert rounded.dtype == jnp.bfloat16
+    assert set(np.unique(np.asarray(rounded, np.float32))) == {1.0, 1 + 2**-7}
+    up = float(np.mean(np.asarray(rounded, np.float32) > 1))
+    assert up == pytest.approx(1 / 8, abs=0.01)
+    special = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0], jnp.float32)
+    kept = _error_feedback.bfloat16_stochastic(special, jnp.full(5, 2**32 - 1, "u4"))
+    np.testing.assert_array_equal(np.asarray(kept, np.float32), np.asarray(special))
+
+
+def test_a_bfloat16_residual_halves_the_state_and_is_checked():
+    """The residuals of a ``residual_dtype=jnp.bfloat16`` mean are bfloat16
+    (half the bytes), the means close to the float32 residual's; float16
+    is refused (a residual of large gradients would overflow), and a state
+    whose residual has the other dtype is refused, naming the leaf."""
+    shapes = {"w": SHAPES["w"], "b": SHAPES["b"]}
+    grads = _grads(3, shapes)
+    runs = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        tx = ga.compressed_average_across_devices(
+            "i", codecs.topk(0.05, bits=4), residual_dtype=dtype
+        )
+        state = _replicate(tx.init(_params(shapes)))
+        assert state.residual["w"].dtype == dtype
+        means = jax.pmap(tx.update, axis_name="i")(grads, state)[0]
+        runs[dtype] = (tx, state, means)
+    chex.assert_trees_all_close(runs[jnp.bfloat16][2], runs[jnp.float32][2])
+    with pytest.raises(ValueError, match="`residual_dtype` must be jnp.float32 or"):
+        ga.compressed_window_reduction(codecs.topk(0.05), residual_dtype=jnp.float16)
+    tx, _, _ = runs[jnp.bfloat16]
+    with pytest.raises(
+        ValueError, match=r"residual for leaf \['w'\] is float32, but residual_dtype"
+    ):
+        jax.pmap(tx.update, axis_name="i")(grads, runs[jnp.float32][1])
+
+
 def test_nearest_ternary_codes_send_a_leaf_of_one_magnitude():
     """Nearest ternary codes (the default under error feedback) send a leaf
     whose elements share one magnitude at the first call: a constant, or
@@ -996,6 +1069,42 @@ def test_window_reduction_on_meshes(case):
         assert moves == []
         if not codec.name.startswith("topk"):
             assert [m for m in moved_arrays(compiled) if m[2] != "entry"] == []
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "1d-explicit-replicated-f32-topk",
+        "2d-auto-tp-f32-e2m1",
+        "2d-auto-fsdp-bf16-topk-reduce-scatter",
+        "2d-explicit-tp-bf16-powersgd-warmup",
+    ],
+)
+def test_a_bfloat16_residual_window_on_meshes(case):
+    """``compressed_window_reduction(residual_dtype=jnp.bfloat16)``: each
+    device's residual is bfloat16, laid out as the float32 one (stacked over
+    `data`, split like its param), and what was not sent is in it: the
+    updates less the residuals are the exact window's, to bfloat16's
+    rounding."""
+    (shape, names), axis_type, specs, dtype, codec = WINDOW_CASES[case]
+    mesh = _mesh(shape, names, axis_type)
+    reduction = ga.compressed_window_reduction(
+        codec, seed=2, residual_dtype=jnp.bfloat16
+    )
+    emitted, state, _ = _window_run(reduction, mesh, specs, dtype)
+    exact, _, _ = _window_run(None, mesh, specs, dtype)
+    residual = state.reduction_state.residual["u"]
+    assert residual.dtype == jnp.bfloat16
+    assert residual.shape == (shape[0], 16, 64)
+    assert _spec(residual) == ("data", *_spec(specs["u"]))
+    for name in exact[0]:
+        sent = sum(np.asarray(u[name], np.float32) for u in emitted)
+        target = sum(np.asarray(u[name], np.float32) for u in exact)
+        residual = state.reduction_state.residual[name]
+        unsent = 0 if name == "c" else np.asarray(residual, np.float32).sum(0) / K
+        np.testing.assert_allclose(
+            sent - unsent, target, atol=2e-2 * np.abs(target).max(), err_msg=name
+        )
 
 
 @pytest.mark.parametrize(

@@ -362,6 +362,13 @@ TABLE: list[Row] = [
     *_rows_for(COMPRESSED, "seed", (-1, 1.5, "0", None, True), INTEGER_GE_0),
     *_rows_for(COMPRESSED, "seed", (2**32,), SEED_RANGE),
     *_rows_for(COMPRESSED, "error_feedback", ("False", None), BOOL),
+    *_rows_for(
+        COMPRESSED,
+        "residual_dtype",
+        (jnp.float16, jnp.int8),
+        r"must be jnp.float32 or jnp.bfloat16|floating dtype",
+    ),
+    *_rows_for(COMPRESSED, "residual_dtype", (None, "f32x"), "floating dtype"),
     Row(
         "compressed_average_across_devices",
         "axis_name",

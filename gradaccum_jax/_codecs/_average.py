@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import optax
 
 from gradaccum_jax import _checks
@@ -31,6 +32,7 @@ def compressed_average_across_devices(
     *,
     seed: int = 0,
     error_feedback: bool = True,
+    residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
     """The mean of the updates across devices, sent compressed by ``codec``.
 
@@ -78,6 +80,11 @@ def compressed_average_across_devices(
         device draws its own from it; the state's counter is the same on
         every device).
       error_feedback: keep each device's unsent part for the next step.
+      residual_dtype: ``jnp.float32`` or ``jnp.bfloat16``: the residual's
+        dtype. bfloat16 halves its bytes (a float32 copy of every coded
+        leaf, on each device); each step rounds it, which the next step
+        sends with the rest (the codecs guide measures the running mean's
+        error).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -86,7 +93,9 @@ def compressed_average_across_devices(
       (each leaf's split over Auto mesh axes, as `diloco` passes it: each
       device then codes its own block).
     """
-    return average(axis_name, codec, seed, error_feedback, _CALLER)
+    return average(
+        axis_name, codec, seed, error_feedback, _CALLER, residual_dtype=residual_dtype
+    )
 
 
 def average(
@@ -96,6 +105,7 @@ def average(
     error_feedback: Any,
     caller: str,
     coder: str | None = None,
+    residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformationExtraArgs:
     """`compressed_average_across_devices`, its messages naming ``caller``
     (and ``coder``, what codes the leaves: the codec by default)."""
@@ -103,7 +113,14 @@ def average(
     codec = codec_argument(codec)
     seed = _checks.prng_seed("seed", seed)
     error_feedback = _checks.boolean("error_feedback", error_feedback)
-    config = _mean.Reduce(codec, axis, error_feedback, caller=caller, coder=coder)
+    config = _mean.Reduce(
+        codec,
+        axis,
+        error_feedback,
+        caller=caller,
+        coder=coder,
+        residual_dtype=_checks.residual_dtype("residual_dtype", residual_dtype),
+    )
 
     def init_fn(params):
         real_leaves(params, f"{config.caller}: params", config.coder_name)

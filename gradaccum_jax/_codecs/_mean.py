@@ -48,6 +48,8 @@ class Reduce(NamedTuple):
       report_sq_excess: also return the codec's `CodecSum.sq_excess`.
       caller: the public name, for messages.
       coder: what codes the leaves, for messages (default: the codec).
+      residual_dtype: the error-feedback residual's dtype (float32 or
+        bfloat16); the input and the codes are float32 either way.
     """
 
     codec: Codec
@@ -57,6 +59,7 @@ class Reduce(NamedTuple):
     report_sq_excess: bool = False
     caller: str = "compressed_average_across_devices"
     coder: str | None = None
+    residual_dtype: Any = jnp.float32
 
     @property
     def coder_name(self) -> str:
@@ -107,7 +110,9 @@ def state_init(config: Reduce, params: Any, seed: int) -> CodecState:
     ]
     return CodecState(
         key,
-        _error_feedback.residual_init(params, config.coded, config.keeps_residual),
+        _error_feedback.residual_init(
+            params, config.coded, config.keeps_residual, config.residual_dtype
+        ),
         config.codec.init(shapes, key),
         _auto_splits.seen_splits(jax.tree.leaves(params)),
     )
@@ -121,6 +126,9 @@ def check_updates(config: Reduce, updates: Any, state: CodecState) -> None:
     if config.keeps_residual:
         _error_feedback.check_grown(
             updates, state.residual, config.coded, config.caller, config.codec.name
+        )
+        _error_feedback.check_dtype(
+            updates, state.residual, config.residual_dtype, config.caller
         )
     check_codec_state(
         config, [np.shape(x) for x in jax.tree.leaves(updates)], state.codec
@@ -209,7 +217,11 @@ def reduce_with_codec(
         results[i] = jnp.where(has_weight, result, 0.0).astype(leaves[i].dtype)
         if config.keeps_residual:
             new_residuals[i] = _error_feedback.fed_back(
-                inputs[j], coded_sum.sent[j], finite & has_weight, residuals[i]
+                inputs[j],
+                coded_sum.sent[j],
+                finite & has_weight,
+                residuals[i],
+                _residual_bits(config, state.key, i, wire, inputs[j], splits[i]),
             )
     # A zero total weight (nothing seen anywhere) or a non-finite leaf
     # leaves the codec's state as it was (a warm start poisoned by a NaN
@@ -231,6 +243,26 @@ def reduce_with_codec(
         new_state,
         jnp.where(has_weight, sq_excess, 0.0),
     )
+
+
+# The residuals' rounding draws from a stream of its own, not the codec's.
+_RESIDUAL_STREAM = 0x5E5D0A1
+
+
+def _residual_bits(
+    config: Reduce,
+    key: jax.Array,
+    leaf: int,
+    wire: Wire,
+    like: jax.Array,
+    split: _blocks.Split,
+) -> jax.Array | None:
+    """Random bits to round leaf ``leaf``'s residual to bfloat16 with (None
+    for a float32 residual): this device's, numbered in the whole leaf."""
+    if jnp.dtype(config.residual_dtype) == jnp.float32:
+        return None
+    words = _random.stream(_random.derive(key, _RESIDUAL_STREAM), leaf, wire.device)
+    return _random.bits(words, like, split)
 
 
 def _sum_on_blocks(

@@ -19,7 +19,7 @@ from gradaccum_jax import _checks, _placement, _reduction, _tree
 from gradaccum_jax._codecs import _mean
 from gradaccum_jax._codecs._average import codec_argument
 from gradaccum_jax._codecs._protocol import Codec, CodecState
-from gradaccum_jax._compression import _auto_splits, _blocks
+from gradaccum_jax._compression import _auto_splits, _blocks, _error_feedback
 from gradaccum_jax._compression._leaves import (
     NoResidual,
     keeps_no_array,
@@ -32,7 +32,11 @@ _CALLER = "compressed_window_reduction"
 
 
 def compressed_window_reduction(
-    codec: Codec, *, seed: int = 0, error_feedback: bool = True
+    codec: Codec,
+    *,
+    seed: int = 0,
+    error_feedback: bool = True,
+    residual_dtype: Any = jnp.float32,
 ) -> _reduction.WindowReduction:
     """Sums a window's per-device terms over the devices with ``codec``.
 
@@ -85,12 +89,17 @@ def compressed_window_reduction(
       codec: what goes on the wire, from `gradaccum_jax.codecs`.
       seed: an integer in [0, 2**32 - 1]: the codec's random draws.
       error_feedback: keep each device's unsent part for its next window.
+      residual_dtype: ``jnp.float32`` or ``jnp.bfloat16``: the residuals'
+        dtype (bfloat16 halves their bytes; see
+        `gradaccum_jax.compressed_average_across_devices`).
 
     Returns:
       A `gradaccum_jax.extend.WindowReduction` whose state is a
       `gradaccum_jax.extend.CodecState` (residuals stacked per device).
     """
-    return window_reduction(codec, seed, error_feedback, _CALLER)
+    return window_reduction(
+        codec, seed, error_feedback, _CALLER, residual_dtype=residual_dtype
+    )
 
 
 def window_reduction(
@@ -99,12 +108,14 @@ def window_reduction(
     error_feedback: Any,
     caller: str,
     coder: str | None = None,
+    residual_dtype: Any = jnp.float32,
 ) -> _reduction.WindowReduction:
     """`compressed_window_reduction`, its messages naming ``caller`` (and
     ``coder``, what codes the leaves: the codec by default)."""
     codec = codec_argument(codec)
     seed = _checks.prng_seed("seed", seed)
     error_feedback = _checks.boolean("error_feedback", error_feedback)
+    residual_dtype = _checks.residual_dtype("residual_dtype", residual_dtype)
 
     def config(layout: Any) -> _mean.Reduce:
         axes = tuple(sorted(layout.axes))
@@ -117,6 +128,7 @@ def window_reduction(
             report_sq_excess=codec.reports_sq_excess,
             caller=caller,
             coder=coder,
+            residual_dtype=residual_dtype,
         )
 
     def init_fn(params, layout):
@@ -314,6 +326,10 @@ def _residual_slots(
 ) -> list[Any]:
     """A residual slot per term leaf: the state's for the params' leaves,
     none for the leaves after them (the weight, the statistics' terms)."""
+    if config.keeps_residual and len(leaves) >= len(residuals):
+        _error_feedback.check_dtype(
+            leaves[: len(residuals)], residuals, config.residual_dtype, config.caller
+        )
     if len(leaves) < len(residuals):
         raise ValueError(
             f"{config.caller}: the window has {len(leaves)} leaves, but the state was "

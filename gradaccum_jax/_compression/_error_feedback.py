@@ -44,13 +44,16 @@ def keeps_residual(error_feedback: bool, biased: bool) -> bool:
     return error_feedback and biased
 
 
-def residual_init(params: Any, coded: Callable[[Any], bool], keep: bool) -> Any:
-    """Float32 zeros for the leaves that keep a residual (``keep``, and
+def residual_init(
+    params: Any, coded: Callable[[Any], bool], keep: bool, dtype: Any = jnp.float32
+) -> Any:
+    """Zeros of ``dtype`` (float32, or bfloat16 to halve the residual's
+    bytes) for the leaves that keep a residual (``keep``, and
     ``coded(leaf)``), a `NoResidual` (the leaf's shape, no array) elsewhere."""
 
     def leaf_init(param):
         if keep and coded(param):
-            return _tree.zeros_like(param, jnp.float32)
+            return _tree.zeros_like(param, dtype)
         return NoResidual(tuple(np.shape(param)))
 
     return jax.tree.map(leaf_init, params)
@@ -74,14 +77,52 @@ def check_grown(
             )
 
 
+def check_dtype(updates: Any, residual: Any, dtype: Any, caller: str) -> None:
+    """Raises, naming the leaf, if a residual is not of ``dtype``: a state
+    made (or restored) with another ``residual_dtype``."""
+    leaves = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, _), slot in zip(leaves, slots(residual), strict=True):
+        if not keeps_no_array(slot) and slot.dtype != dtype:
+            raise ValueError(
+                f"{caller}: the state's residual for leaf "
+                f"{jax.tree_util.keystr(path)} is {slot.dtype}, but "
+                f"residual_dtype is {jnp.dtype(dtype).name}: initialize the "
+                "state with this transformation, or pass the residual_dtype "
+                "it was made with."
+            )
+
+
 def fed_back(
-    x: jax.Array, sent: jax.Array, ok: jax.Array, residual: jax.Array
+    x: jax.Array,
+    sent: jax.Array,
+    ok: jax.Array,
+    residual: jax.Array,
+    bits: jax.Array | None = None,
 ) -> jax.Array:
     """The residual after sending ``sent`` (``E[C(x)]``) for the input ``x``
     (the update plus the previous residual): ``x - sent`` where ``ok`` (the
     step sent finite codes, and had weight), else the previous residual, so
-    one bad step does not poison the following ones."""
-    return jnp.where(ok, x - sent, residual)
+    one bad step does not poison the following ones.
+
+    A bfloat16 residual is rounded stochastically with ``bits`` (32 random
+    bits per element, `_random.bits`): unbiased, so the rounding errors of
+    successive steps average out instead of piling up. Rounded to nearest,
+    a steady input rounds the same way every step, and the running mean
+    keeps that bias.
+    """
+    new = jnp.where(ok, x - sent, residual.astype(jnp.float32))
+    if residual.dtype == jnp.float32:
+        return new
+    return bfloat16_stochastic(new, bits)
+
+
+def bfloat16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """``x`` (float32) rounded to bfloat16 up or down with probabilities that
+    make the rounding unbiased: 16 random bits added below the 16 kept,
+    then cut (bfloat16 is float32's upper half)."""
+    word = jax.lax.bitcast_convert_type(x, jnp.uint32) + (bits >> 16)
+    kept = jax.lax.bitcast_convert_type(word & jnp.uint32(0xFFFF0000), jnp.float32)
+    return jnp.where(jnp.isfinite(x), kept, x).astype(jnp.bfloat16)
 
 
 def keeps_a_residual(state: Any) -> bool:
