@@ -257,12 +257,15 @@ def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
     (a second window-sized temporary).
     """
     config, layout, slots = emission.config, emission.layout, emission.slots
-    updates, rest, window_weight = carry.updates, carry.rest, carry.window_weight
-    whole = functools.partial(slots.window, updates)
+    updates, window_weight = carry.updates, carry.window_weight
+    rest = slots.terms(updates, carry.rest)
+    whole = functools.partial(slots.with_held, updates)
     # The window's only cross-device traffic with `unreduced_axes`: its
     # per-device sums, its weight and the statistics' window terms, in one
-    # reduction (by default one fused float all-reduce). Its leaves never
-    # hold updates (`UpdateSlots`), so the reduced copy aliases no update.
+    # reduction (by default one fused float all-reduce). The terms held in
+    # update slots are read typed as terms again (`UpdateSlots.terms`); the
+    # reduced sums are buffers of their own, and the updates come back in
+    # the terms' buffers.
     stat_terms = {
         name: stat.window_terms(carry.stats[name])
         for name, stat in config.statistics.items()
@@ -298,7 +301,7 @@ def _close_window(emission: _Emission, carry: WindowCarry) -> WindowCarry:
     )
     return WindowCarry(
         updates=updates,
-        rest=rest,
+        rest=carry.rest,
         window_weight=_tree.zeros_like(window_weight),
         inner_state=inner_state,
         reduction_state=reduction_state,
@@ -335,7 +338,7 @@ def _step_if_weighted(
         if in_sums:
             window_sum = sums_def.unflatten(updates)
         else:
-            whole = functools.partial(emission.slots.window, updates)
+            whole = functools.partial(emission.slots.with_held, updates)
             window_sum = emission.config.store.window_sum(whole, reduced)
         new_updates, inner_state = emission.inner_update(
             window_sum, weight, inner_state

@@ -32,6 +32,13 @@ class UpdateSlots:
     window, a low-precision accumulator) take the dead micro-batch gradients
     of the step, or fresh zeros.
 
+    A window of per-device terms (unreduced over the summed axes) holds its
+    updates too, where a term has the update's shape and split: the carry
+    holds the term's buffers typed as an ordinary array (`_reduced_view`),
+    the reduction reads them typed as terms again (`_unreduced_view`), and
+    the updates come back in them. No slot is allocated beside the window's
+    terms and its reduced sum.
+
     The emission loop's carry is then ``(updates, rest)``: the update leaves
     (some of them the window's) and the window leaves that hold no update.
     `window` puts the two back together as the accumulator.
@@ -41,15 +48,22 @@ class UpdateSlots:
         acc_leaves, self._acc_def = jax.tree.flatten(acc)
         self._update_shapes, self._updates_def = jax.tree.flatten(updates_shape)
         same_tree = self._acc_def == self._updates_def
-        # holds_update[i]: accumulator leaf i holds update leaf i.
+        # holds_update[i]: accumulator leaf i holds update leaf i, as it is;
+        # viewed[i]: ... in its per-device term's buffers, retyped.
         self._holds_update = [
             same_tree and _same_layout(leaf, self._update_shapes[i])
             for i, leaf in enumerate(acc_leaves)
         ]
+        self._viewed = [
+            same_tree and _dead_term_fits(leaf, self._update_shapes[i])
+            for i, leaf in enumerate(acc_leaves)
+        ]
+        self._term_axes = [set(_tree.unreduced_axes(leaf)) for leaf in acc_leaves]
 
     @property
     def holds_none(self) -> bool:
-        """Whether no window leaf holds an update (per-device terms)."""
+        """Whether no window leaf holds an update as it is (per-device terms
+        may, retyped: their reduced sum is a buffer of its own)."""
         return not any(self._holds_update)
 
     def fits_updates(self, tree: Any) -> bool:
@@ -69,28 +83,49 @@ class UpdateSlots:
             else [None] * len(self._update_shapes)
         )
         return [
-            acc_leaves[i]
-            if i < len(self._holds_update) and self._holds_update[i]
-            else _reuse_or_zeros(scratch_leaves[i], shape)
+            self._initial(i, acc_leaves, scratch_leaves[i], shape)
             for i, shape in enumerate(self._update_shapes)
         ]
+
+    def _initial(self, i, acc_leaves, scratch_leaf, shape):
+        if i < len(self._holds_update) and self._holds_update[i]:
+            return acc_leaves[i]
+        if i < len(self._viewed) and self._viewed[i]:
+            return _reduced_view(acc_leaves[i])
+        return _reuse_or_zeros(scratch_leaf, shape)
+
+    def _holds(self, i: int) -> bool:
+        return self._holds_update[i] or self._viewed[i]
 
     def rest(self, acc: Any) -> list[Any]:
         """The accumulator leaves that hold no update."""
         return [
-            leaf
-            for leaf, holds in zip(
-                jax.tree.leaves(acc), self._holds_update, strict=True
-            )
-            if not holds
+            leaf for i, leaf in enumerate(jax.tree.leaves(acc)) if not self._holds(i)
         ]
 
     def window(self, updates: list[jax.Array], rest: list[Any]) -> Any:
         """The accumulator made of its update-holding leaves and the rest."""
+        return self.with_held(updates, self.terms(updates, rest))
+
+    def terms(self, updates: list[jax.Array], rest: list[Any]) -> list[Any]:
+        """The leaves the reduction reads: ``rest`` (the carry's) with the
+        per-device terms held in update slots, typed as terms again."""
         rest_iter = iter(rest)
+        return [
+            _unreduced_view(updates[i], self._term_axes[i])
+            if self._viewed[i]
+            else next(rest_iter)
+            for i in range(len(self._holds_update))
+            if not self._holds_update[i]
+        ]
+
+    def with_held(self, updates: list[jax.Array], terms: list[Any]) -> Any:
+        """The accumulator made of the leaves holding updates as they are
+        and ``terms`` (`terms`' leaves, or their reduced sums) for the rest."""
+        terms_iter = iter(terms)
         return self._acc_def.unflatten(
             [
-                updates[i] if holds else next(rest_iter)
+                updates[i] if holds else next(terms_iter)
                 for i, holds in enumerate(self._holds_update)
             ]
         )
@@ -127,8 +162,8 @@ def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
     """Whether ``leaf``'s buffer can hold an update of ``shape``.
 
     The loop carry keeps the type of its initial value, so the types must
-    agree too. An unreduced window leaf never holds an update (an update is
-    a reduced value). Inside ``shard_map``, ``leaf`` must vary over no mesh
+    agree too. An unreduced window leaf never holds an update as it is (an
+    update is a reduced value); retyped, it may (`UpdateSlots`). Inside ``shard_map``, ``leaf`` must vary over no mesh
     axis the update does not vary over: an update that is the same on every
     device (after an `average_across_devices` in the inner chain) must stay
     typed so, or params updated with it could not be returned with
@@ -170,6 +205,18 @@ def _dead_term_fits(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
         and _placement.normalized(_tree.partitions(leaf))
         == _placement.normalized(_tree.partitions(shape))
     )
+
+
+def _unreduced_view(leaf: jax.Array, axes: set[str]) -> jax.Array:
+    """``leaf``'s buffers typed as per-device terms unreduced over ``axes``
+    (`_reduced_view`'s inverse), no data moved."""
+    parts = _tree.partitions(leaf)
+    return jax.shard_map(
+        lambda block: block,
+        in_specs=P(*parts),
+        out_specs=P(*parts, unreduced=axes),
+        check_vma=False,
+    )(leaf)
 
 
 def _reduced_view(leaf: jax.Array) -> jax.Array:

@@ -113,6 +113,8 @@ def fed_back(
     new = jnp.where(ok, x - sent, residual.astype(jnp.float32))
     if residual.dtype == jnp.float32:
         return new
+    if bits is None:  # a caller's mistake, not a user's
+        raise TypeError("fed_back: a bfloat16 residual is rounded with `bits`")
     return bfloat16_stochastic(new, bits)
 
 
