@@ -38,16 +38,21 @@ it, else ``data``); the window and DiLoCo (1 fragment) with a codec of
 `gradaccum_jax.codecs` (``compressed_window_reduction``,
 ``compressed_average_across_devices``): top-k at 1 % in 2 bits (all-gathered,
 and through the shards' owners: ``collective="reduce_scatter"``), E2M1,
-PowerSGD of rank 4. On request (``--paths``): the window fed by
-``jax.grad`` of reduced params with the noise scale tracked, or with the
-ternary window reduction; DiLoCo keeping half of what top-k did not send;
-the window and that DiLoCo with top-k at 50 % in one bit through the
-owners (chunks sent as maps, 1.6 bits an element).
+PowerSGD of rank 4; the top-k window with a bfloat16 residual
+(``residual_dtype``); DiLoCo with top-k and its outer state in host memory
+(``offload_outer_state=True``), 1 and 4 fragments. On request
+(``--paths``): the window fed by ``jax.grad`` of reduced params with the
+noise scale tracked, or with the ternary window reduction; DiLoCo
+keeping half of what top-k did not send; the window and that DiLoCo with
+top-k at 50 % in one bit through the owners (chunks sent as maps, 1.6
+bits an element).
 
 Reported per device, from the compiled program: the total a device holds
 (arguments + outputs + temporaries - aliased, ``memory_analysis()``), the
 bytes in host memory (``pinned_host`` in the compiled shardings, which
-XLA:CPU's totals count as device memory), argument, output and temporary
+XLA:CPU's totals count as device memory), what the device's own memory
+holds (the total less the host bytes, plus the largest fragment's share
+of them that a DiLoCo sync brings over), argument, output and temporary
 bytes; every collective
 (`gradaccum_jax.measure.collectives`) per micro-step and per window, with
 its result bytes on one device, each counted as often as it runs: a
@@ -60,9 +65,9 @@ Output: a printed table, ``benchmarks/plots/scale.json`` and
 ``benchmarks/plots/scale.png``.
 
 Run: ``python benchmarks/bench_scale.py [--skip-70b] [--only NAME ...]
-[--paths PATH ...]``: 490 s on 2 CPU cores
-shared with other jobs; the 65B configuration's 19 compiles are about a
-fifth of it.
+[--paths PATH ...]``: 716 s on 2 CPU cores
+shared with other jobs (110 compiles); the 65B configuration's 22 compiles
+are about a fifth of it.
 """
 
 from __future__ import annotations

@@ -163,11 +163,11 @@ def _same_layout(leaf: Any, shape: jax.ShapeDtypeStruct) -> bool:
 
     The loop carry keeps the type of its initial value, so the types must
     agree too. An unreduced window leaf never holds an update as it is (an
-    update is a reduced value); retyped, it may (`UpdateSlots`). Inside ``shard_map``, ``leaf`` must vary over no mesh
-    axis the update does not vary over: an update that is the same on every
-    device (after an `average_across_devices` in the inner chain) must stay
-    typed so, or params updated with it could not be returned with
-    ``out_specs=P()``.
+    update is a reduced value); retyped, it may (`UpdateSlots`). Inside
+    ``shard_map``, ``leaf`` must vary over no mesh axis the update does not
+    vary over: an update that is the same on every device (after an
+    `average_across_devices` in the inner chain) must stay typed so, or
+    params updated with it could not be returned with ``out_specs=P()``.
     """
     return (
         jnp.shape(leaf),
