@@ -1396,15 +1396,17 @@ def test_a_map_finds_each_chunks_kth_magnitude_a_batch_of_chunks_at_a_time():
 def test_topk_keeps_its_residual_without_a_float_copy_of_the_leaf(bits, collective):
     """The entries a device sent are a select over its input, fused into its
     residual: what stays is the magnitudes the top-k search reads (a float32
-    leaf) and the mask of sent entries (a byte an element), 1.51x the
-    leaf's bytes; the sent entries scattered into zeros took 3.26x. Through
-    the owners, 1.67x: the owner's shard (1/8 of the leaf) in and out."""
+    leaf) and the mask of sent entries, a bit an element: 1.29x to 1.32x
+    the leaf's bytes (1.51x with a byte an element; the sent entries
+    scattered into zeros took 3.26x). Through the owners, 1.42x (1.67x):
+    the owner's shard (1/8 of the leaf) in and out."""
     shapes = {"w": (512, 2048)}
     tx = ga.compressed_average_across_devices(
         "i", codecs.topk(0.01, bits=bits, collective=collective)
     )
     compiled = _compiled_mean(tx, shapes)
-    assert compiled.memory_analysis().temp_size_in_bytes < 1.75 * 4 * 512 * 2048
+    bound = 1.45 if collective == "reduce_scatter" else 1.35
+    assert compiled.memory_analysis().temp_size_in_bytes < bound * 4 * 512 * 2048
 
 
 @pytest.mark.parametrize(

@@ -253,12 +253,28 @@ def _sent_mask(rows: jax.Array, chosen: jax.Array, k: int, bits: int) -> jax.Arr
     if as_map(chunk, k, bits):
         picked = jnp.abs(rows) >= chosen
     else:
-        picked = (
-            jnp.zeros((chunks, chunk), jnp.bool_)
-            .at[jnp.arange(chunks)[:, None], chosen]
-            .set(True, unique_indices=True)
-        )
+        picked = _picked_bits(chunks, chunk, chosen)
     return picked & (rows != 0)  # no zero is sent (see `_repeat_for_zeros`)
+
+
+def _picked_bits(chunks: int, chunk: int, chosen: jax.Array) -> jax.Array:
+    """True at each chunk's ``chosen`` entries, from one bit an element.
+
+    A byte an element (a scatter of True into a boolean mask) was a buffer
+    of a quarter of the leaf's float32 bytes, and its zeros another: the
+    bits are set by a scatter of powers of two into uint32 words (a chunk's
+    TopK indices are distinct, so adding them sets each bit once), and
+    read where they are used, fused into the residual's pass.
+    """
+    words = -(-chunk // 32)
+    powers = jnp.left_shift(jnp.uint32(1), (chosen % 32).astype(jnp.uint32))
+    packed = (
+        jnp.zeros((chunks, words), jnp.uint32)
+        .at[jnp.arange(chunks)[:, None], chosen // 32]
+        .add(powers)
+    )
+    spread = (packed[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    return spread.reshape(chunks, words * 32)[:, :chunk] == 1
 
 
 def _pack_map(
