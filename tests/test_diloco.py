@@ -1119,9 +1119,10 @@ def test_keep_unsent_on_tensor_parallel_leaves_adds_a_scalar_and_a_buffer(axis_t
     """``keep_unsent`` sends what the sync sends without it, plus the worker's
     weight (4 bytes, in the all-reduce the reduction makes anyway: the
     total weight converts a residual into the worker's units), keeps every
-    block where it lies, and its temporaries grow by about one float32
-    buffer of a device's blocks (measured 1.02x here; 1.25x on
-    bench_scale.py's 0.81B reference, see the low-communication guide)."""
+    block where it lies, and its temporaries grow by less than two float32
+    buffers of a device's blocks (1.78 here, 1.9 on bench_scale.py's 0.81B
+    reference, see the low-communication guide; about one before the sync
+    without it lost its byte masks and shared zeros)."""
     mesh = _tp_mesh(axis_type)
 
     def reduction():
@@ -1145,7 +1146,7 @@ def test_keep_unsent_on_tensor_parallel_leaves_adds_a_scalar_and_a_buffer(axis_t
     ], grown
     temp = keeping.memory_analysis().temp_size_in_bytes
     plain_temp = plain.memory_analysis().temp_size_in_bytes
-    assert plain_temp < temp <= plain_temp + 1.1 * f32_share, (temp, plain_temp)
+    assert plain_temp < temp <= plain_temp + 2 * f32_share, (temp, plain_temp)
 
 
 @functools.cache

@@ -430,8 +430,23 @@ def decode_sum(
 ) -> jax.Array:
     """The chunks of the sum of ``n`` devices' payloads (stacked on a
     leading axis)."""
-    zeros = jnp.zeros((scales.shape[1], chunk), jnp.float32)
-    return add_payloads(zeros, payloads, scales, k, bits)
+    return add_payloads(
+        own_zeros((scales.shape[1], chunk), scales), payloads, scales, k, bits
+    )
+
+
+def own_zeros(shape: tuple[int, ...], tie: jax.Array) -> jax.Array:
+    """float32 zeros of ``shape`` that depend on ``tie`` (a leaf's own
+    array): the starting point of a sum added to in place.
+
+    Plain zeros of one shape are one value to XLA, which makes them once
+    for every leaf of that shape and then copies them for each leaf it
+    adds to in place: the copies and the shared zeros, a buffer more than
+    the sums. ``min(tie != tie, 0)`` is 0 whatever ``tie`` holds (a NaN
+    included), but XLA does not fold it."""
+    first = tie.reshape(-1)[0]
+    zero = jnp.minimum((first != first).astype(jnp.float32), 0.0)
+    return jnp.broadcast_to(zero, shape)
 
 
 def decode_shards(
@@ -445,6 +460,6 @@ def decode_shards(
         return _decode_map(words, scales.reshape(-1), chunk, bits)
     index, values = decode_entries(payloads, scales, chunk, bits)
     index, values = (a.reshape(n * chunks, -1) for a in (index, values))
-    zeros = jnp.zeros((n * chunks, chunk), jnp.float32)
+    zeros = own_zeros((n * chunks, chunk), scales)
     rows = jnp.arange(n * chunks)[:, None]
     return zeros.at[rows, index].set(values, unique_indices=True, mode="drop")
