@@ -1457,3 +1457,71 @@ def test_none_batch_arguments_reach_the_loss_as_none(layout):
                 grads[name], want_grads[name], rtol=1e-4, atol=1e-6
             )
     assert worker[0].shape == (mesh.shape["data"],)
+
+
+@pytest.mark.parametrize(
+    ("reduction", "dtype", "bound"),
+    [
+        (None, jnp.float32, -0.9),
+        (None, jnp.bfloat16, -0.45),
+        ("ternary", jnp.float32, -0.45),
+        ("ternary", jnp.bfloat16, 0.3),
+        ("topk", jnp.float32, -0.3),
+        ("topk", jnp.bfloat16, 1.2),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_a_window_of_terms_holds_its_updates_in_its_own_buffers(
+    reduction, dtype, bound
+):
+    """Compiled on `data` 4 x `model` 2, tensor-parallel params of 8 MiB a
+    device (a "share"), adam, donated: the temporaries of a window reduced
+    once, less those of the plain step that all-reduces every micro-batch,
+    are at most ``bound`` shares. A float32 model's window terms hold its
+    updates: measured 1.0 share under the plain step (0.49 with a ternary
+    window, 0.36 with top-k); with the update slots carried beside the
+    terms it was 0.0 (0.0, 0.63 over). A bfloat16 model's float32 terms
+    cannot hold its bfloat16 updates: 0.5 under (0.26 over with ternary,
+    1.13 over with top-k, its decoded sums and input), as before."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    shapes = {"w1": (1024, 2048), "w2": (2048, 1024)}
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    batch = jax.ShapeDtypeStruct((8, 1024), dtype, sharding=P("data"))
+
+    def loss(params, x):
+        hidden = x @ params["w1"]  # split over `model` by columns
+        rows = jax.typeof(x).sharding.spec[0]  # `data` here, not per device
+        out = jnp.matmul(hidden, params["w2"], out_sharding=P(rows, None))
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+
+    window = {
+        None: None,
+        "ternary": ga.ternary_window_reduction(0),
+        "topk": ga.compressed_window_reduction(ga.codecs.topk(0.01)),
+    }[reduction]
+
+    def temporaries(tx, grad_fn):
+        def step(params, state, x):
+            updates, state = tx.update(grad_fn(params, x), state, params)
+            return optax.apply_updates(params, updates), state
+
+        with jax.set_mesh(mesh):
+            params = {
+                name: jax.ShapeDtypeStruct(shape, dtype, sharding=specs[name])
+                for name, shape in shapes.items()
+            }
+            state = jax.eval_shape(tx.init, params)
+            step = jax.jit(step, donate_argnums=(0, 1))
+            compiled = step.lower(params, state, batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    plain = temporaries(ga.MultiSteps(optax.adam(1e-3), 4), jax.grad(loss))
+    local = ga.local_value_and_grad(loss, "data")
+    once = temporaries(
+        ga.MultiSteps(
+            optax.adam(1e-3), 4, unreduced_axes="data", window_reduction=window
+        ),
+        lambda params, x: local(params, x)[1],
+    )
+    share = 4 * sum(np.prod(shape) for shape in shapes.values()) // 2
+    assert once - plain <= bound * share, (once, plain, share)
