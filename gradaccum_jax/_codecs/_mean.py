@@ -191,7 +191,10 @@ def reduce_with_codec(
         _weights.weighted(share, leaves[i].astype(jnp.float32)) for i in compressed
     ]
     if config.keeps_residual:
-        inputs = [x + residuals[i] for x, i in zip(inputs, compressed, strict=True)]
+        inputs = [
+            x + residuals[i].reshape(x.shape)
+            for x, i in zip(inputs, compressed, strict=True)
+        ]
     wire = Wire(
         config.axis,
         num_devices,

@@ -131,9 +131,10 @@ def unpack_sums(
     base = 2 * levels * num_devices + 1
     rows, columns = _plane_view(int(np.prod(shape, dtype=np.int64)), per_word)
     words = words.reshape(-1, columns)
-    fields = []
-    for _ in range(per_word):
-        fields.append(words % jnp.uint32(base))
-        words = words // jnp.uint32(base)
-    sums = jnp.concatenate(fields).astype(jnp.int32) - levels * num_devices
+    # Every digit of every word at once, by its place's power (a
+    # broadcast XLA computes in each pass that reads the sums): the digits
+    # concatenated plane by plane were a uint32 buffer the leaf's size.
+    powers = np.asarray([base**place for place in range(per_word)], np.uint32)
+    digits = (words[None] // powers[:, None, None]) % jnp.uint32(base)
+    sums = digits.reshape(-1, columns).astype(jnp.int32) - levels * num_devices
     return sums[:rows].reshape(shape)

@@ -140,10 +140,14 @@ def _round(scaled: jax.Array, uniform: jax.Array, top: int, units: int) -> jax.A
     """
     magnitude = jnp.minimum(jnp.abs(scaled) * units, top)
     if units == 1:
-        step = jnp.ones_like(magnitude)
+        step = inverse = jnp.ones_like(magnitude)
     else:
         step = jnp.where(magnitude < 4, 1.0, jnp.where(magnitude < 8, 2.0, 4.0))
-    low = jnp.floor(magnitude / step) * step
+        inverse = jnp.where(magnitude < 4, 1.0, jnp.where(magnitude < 8, 0.5, 0.25))
+    # Times the inverse step (a power of two: the same floats as a
+    # division), which XLA recomputes in each pass that reads the codes;
+    # a division it computed once and kept, a float32 buffer the leaf's size.
+    low = jnp.floor(magnitude * inverse) * step
     up = uniform * step < magnitude - low
     code = jnp.minimum(low + jnp.where(up, step, 0.0), top)
     return (jnp.sign(scaled) * code).astype(jnp.int8)

@@ -265,9 +265,11 @@ def reduce_terms(
     def local(leaves, key, arrays, codec_state):
         if stacked:
             leaves = [leaf[0] for leaf in leaves]
-        unstacked = iter([a[0] for a in arrays])
+        # Each device's residual row keeps its leading axis: updated in
+        # that shape, it is written in place (see `_error_feedback.fed_back`).
+        rows = iter(arrays)
         device_slots = [
-            slot if keeps_no_array(slot) else next(unstacked) for slot in term_slots
+            slot if keeps_no_array(slot) else next(rows) for slot in term_slots
         ]
         codec_state = jax.tree.map(lambda leaf: leaf[0], codec_state)
         sums, new, sq_excess = _mean.reduce_with_codec(
@@ -278,7 +280,7 @@ def reduce_terms(
             parts,
         )
         new_arrays = [
-            r[None]
+            r
             for r, slot in zip(new.residual, term_slots, strict=True)
             if not keeps_no_array(slot)
         ]

@@ -100,7 +100,8 @@ def fed_back(
     bits: jax.Array | None = None,
 ) -> jax.Array:
     """The residual after sending ``sent`` (``E[C(x)]``) for the input ``x``
-    (the update plus the previous residual): ``x - sent`` where ``ok`` (the
+    (the update plus the previous residual; ``residual`` shaped like ``x``
+    or with leading unit axes): ``x - sent`` where ``ok`` (the
     step sent finite codes, and had weight), else the previous residual, so
     one bad step does not poison the following ones.
 
@@ -110,12 +111,19 @@ def fed_back(
     a steady input rounds the same way every step, and the running mean
     keeps that bias.
     """
-    new = jnp.where(ok, x - sent, residual.astype(jnp.float32))
+    # ``residual`` may be a device's row of a stacked state (leading unit
+    # axes): the select reads it in its own shape, so that XLA writes the
+    # new residual into its buffer. Read through a reshape, the old
+    # residual cannot share the result's buffer, and XLA computes the new
+    # one aside and copies it over (a buffer the leaf's size).
+    new = jnp.where(
+        ok, (x - sent).reshape(residual.shape), residual.astype(jnp.float32)
+    )
     if residual.dtype == jnp.float32:
         return new
     if bits is None:  # a caller's mistake, not a user's
         raise TypeError("fed_back: a bfloat16 residual is rounded with `bits`")
-    return bfloat16_stochastic(new, bits)
+    return bfloat16_stochastic(new, bits.reshape(residual.shape))
 
 
 def bfloat16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
