@@ -10,12 +10,19 @@ where per-device terms live. `RunningMean`, `NoiseScaleState` and
 `TernaryAccumulatorState` are the states the built-in parts keep in a
 `gradaccum_jax.MultiStepsState`. A `Codec` is what a compressed
 cross-device sum sends (`gradaccum_jax.codecs` builds them): it sums each
-device's input as a `CodecSum`, told where it runs by a `Wire`; its users
-keep a `CodecState`. docs/architecture.md, "Write your own
+device's input as a `CodecSum`, told where it runs by a `Wire` (a sum
+made from small parts may be made after the residual, from `made_after`
+its parts); its users keep a `CodecState`. docs/architecture.md, "Write your own
 part", shows each protocol at work.
 """
 
-from gradaccum_jax._codecs._protocol import Codec, CodecState, CodecSum, Wire
+from gradaccum_jax._codecs._protocol import (
+    Codec,
+    CodecState,
+    CodecSum,
+    Wire,
+    made_after,
+)
 from gradaccum_jax._noise_scale import NoiseScaleState
 from gradaccum_jax._partials import TermsLayout
 from gradaccum_jax._reduction import WindowReduction
@@ -41,4 +48,5 @@ __all__ = [
     "WindowStatistic",
     "Wire",
     "float_accumulator",
+    "made_after",
 ]

@@ -466,6 +466,107 @@ def test_a_codec_of_your_own_reduces_a_window_on_meshes(layout):
     assert not np.allclose(updates["w"], exact["w"], atol=1e-3)
 
 
+def later_sign_codec(told: list) -> ga.extend.Codec:
+    """`scaled_sign_codec` whose sums are made later, by functions of the
+    new residual (`CodecSum.sums`): each records what it was given."""
+    codec = scaled_sign_codec()
+
+    def codec_sum(inputs, state, key, wire):
+        result = codec.sum(inputs, state, key, wire)
+
+        def later(total):
+            def make(after):
+                told.append(None if after is None else after.shape)
+                return ga.extend.made_after(total, after)
+
+            return make
+
+        return result._replace(sums=[later(total) for total in result.sums])
+
+    return codec._replace(name="later_sign", sum=codec_sum)
+
+
+@pytest.mark.parametrize("error_feedback", [True, False], ids=["fed-back", "plain"])
+def test_a_codec_may_make_its_sums_after_the_residual(error_feedback):
+    """A sum given as a function is made once the residual is kept, from
+    that residual (None where none is kept), where the codec runs on
+    whole leaves (pmap); the means are the arrays' bitwise."""
+    grads = {
+        "w": np.random.default_rng(2).standard_normal((8, 64, 128), np.float32),
+        "b": np.ones((8, 32), np.float32),
+    }
+    told = []
+    results = []
+    for codec in (scaled_sign_codec(), later_sign_codec(told)):
+        tx = ga.compressed_average_across_devices(
+            "i", codec, error_feedback=error_feedback
+        )
+
+        def mean(g, tx=tx):
+            return tx.update(g, tx.init(g))[0]
+
+        results.append(jax.pmap(mean, axis_name="i")(grads))
+    # The first call is the contract's check of the shape it would have.
+    assert told == [None, (64, 128) if error_feedback else None]
+    for got, want in zip(*map(jax.tree.leaves, results), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("where", ["window", "split-blocks"])
+def test_a_sum_made_later_on_a_2d_mesh(where):
+    """On `data` x `model` with the leaf split over `model`. A window's map
+    is manual over every axis: the sum is made from each device's residual
+    row (its leading device axis kept, so that XLA updates it in place). A
+    mean in a ``shard_map`` over `data` alone runs the codec in a map over
+    the leaf's blocks, which only arrays leave: the sum is made there,
+    given None. The results are the arrays' bitwise."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    told = []
+    runs = []
+    for codec in (scaled_sign_codec(), later_sign_codec(told)):
+        with jax.set_mesh(mesh):
+            if where == "window":
+                params = _params(tensor_parallel=True)
+                opt = ga.MultiSteps(
+                    optax.sgd(1.0),
+                    K,
+                    unreduced_axes="data",
+                    window_reduction=ga.compressed_window_reduction(codec),
+                )
+                grad_fn = ga.local_value_and_grad(_loss, "data")
+                state = opt.init(params)
+
+                @jax.jit
+                def step(params, state, x, opt=opt, grad_fn=grad_fn):
+                    return opt.update(grad_fn(params, x)[1], state, params)
+
+                for x in _batches(K):
+                    x = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
+                    updates, state = jax.block_until_ready(step(params, state, x))
+            else:
+                tx = ga.compressed_average_across_devices("data", codec)
+
+                def mean(g, tx=tx):
+                    g = g[0]
+                    return tx.update(g, tx.init(g))[0]
+
+                grads = np.random.default_rng(4).standard_normal((4, 32, 128))
+                placed = jax.device_put(
+                    grads.astype(np.float32), P("data", None, "model")
+                )
+                updates = jax.jit(
+                    jax.shard_map(
+                        mean, in_specs=P("data"), out_specs=P(), axis_names={"data"}
+                    )
+                )(placed)
+        runs.append(updates)
+    row = (1, 8, 16)  # one device's residual row of "w", its half over `model`
+    # (None: the contract's check of the shape; the step traced twice.)
+    assert set(told) == ({None, row} if where == "window" else {None}), told
+    for got, want in zip(*map(jax.tree.leaves, runs), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 BROKEN_SUMS = {
     # One sum too few: a bare IndexError deep in the mean before.
     "too-few": (
@@ -490,6 +591,19 @@ BROKEN_SUMS = {
     "a-tuple": (
         lambda result: tuple(result),
         r"its sum returned a tuple, not a gradaccum_jax.extend.CodecSum",
+    ),
+    # A sum made later is checked by the shape it would have.
+    "later-flattened": (
+        lambda result: result._replace(
+            sums=[lambda after, s=s: s.reshape(-1) for s in result.sums]
+        ),
+        r"CodecSum.sums\[0\] has shape \(\d+,\), but input 0",
+    ),
+    "sent-later": (
+        lambda result: result._replace(
+            sent=[lambda after, s=s: s for s in result.sent]
+        ),
+        r"CodecSum.sent\[0\] is a function; only a sum may be made later",
     ),
 }
 

@@ -76,6 +76,7 @@ SUBMODULES = {
         "WindowStatistic",
         "Wire",
         "float_accumulator",
+        "made_after",
     ],
     "measure": [
         "AllReduce",

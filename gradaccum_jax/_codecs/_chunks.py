@@ -27,6 +27,7 @@ import numpy as np
 
 from gradaccum_jax import _placement, _tree
 from gradaccum_jax._codecs import _packing
+from gradaccum_jax._codecs._protocol import zero_from
 
 # Elements per chunk (SparseLoCo's); 12 index bits.
 CHUNK = 4096
@@ -439,11 +440,8 @@ def own_zeros(shape: tuple[int, ...], tie: jax.Array) -> jax.Array:
     Plain zeros of one shape are one value to XLA, which makes them once
     for every leaf of that shape and then copies them for each leaf it
     adds to in place: the copies and the shared zeros, a buffer more than
-    the sums. ``min(tie != tie, 0)`` is 0 whatever ``tie`` holds (a NaN
-    included), but XLA does not fold it."""
-    first = tie.reshape(-1)[0]
-    zero = jnp.minimum((first != first).astype(jnp.float32), 0.0)
-    return jnp.broadcast_to(zero, shape)
+    the sums."""
+    return jnp.broadcast_to(zero_from(tie), shape)
 
 
 def decode_shards(

@@ -216,16 +216,19 @@ def reduce_with_codec(
     new_residuals = list(residuals)
     for j, i in enumerate(compressed):
         finite = coded_sum.finite[j]
-        result = jnp.where(finite, coded_sum.sums[j], jnp.nan)
-        results[i] = jnp.where(has_weight, result, 0.0).astype(leaves[i].dtype)
+        after = None
         if config.keeps_residual:
-            new_residuals[i] = _error_feedback.fed_back(
+            new_residuals[i] = after = _error_feedback.fed_back(
                 inputs[j],
                 coded_sum.sent[j],
                 finite & has_weight,
                 residuals[i],
                 _residual_bits(config, state.key, i, wire, inputs[j], splits[i]),
             )
+        total = coded_sum.sums[j]
+        total = total(after) if callable(total) else total
+        result = jnp.where(finite, total, jnp.nan)
+        results[i] = jnp.where(has_weight, result, 0.0).astype(leaves[i].dtype)
     # A zero total weight (nothing seen anywhere) or a non-finite leaf
     # leaves the codec's state as it was (a warm start poisoned by a NaN
     # would spoil every later call), as it leaves the residuals.
@@ -294,7 +297,7 @@ def _sum_on_blocks(
             return _auto_blocks.sum_on_auto_blocks(
                 codec, inputs, state, key, wire, auto_splits
             )
-        return checked_sum(codec, inputs, state, key, wire)
+        return checked_sum(codec, inputs, state, key, wire, deferred=True)
     blocks_wire = wire._replace(splits=[tuple(spec) for spec in specs])
     # Unchecked: the sums and flags a codec returns are the same on every
     # device of the split axes, but many come from ``all_gather``, whose

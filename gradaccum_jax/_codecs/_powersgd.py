@@ -36,7 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradaccum_jax import _checks, _tree
-from gradaccum_jax._codecs._protocol import Codec, CodecSum, Wire, at_least
+from gradaccum_jax._codecs._protocol import (
+    Codec,
+    CodecSum,
+    Wire,
+    at_least,
+    made_after,
+    made_now,
+)
 from gradaccum_jax._compression import _blocks
 from gradaccum_jax._compression._leaves import DEFAULT_MIN_SIZE
 
@@ -183,7 +190,7 @@ def powersgd(
         out = _cond(
             warm,
             lambda: _float32_sum(inputs, state, wire),
-            lambda: _factored_sum(inputs, state, wire, scanned),
+            lambda: made_now(_factored_sum(inputs, state, wire, scanned)),
         )
         # A warm-up call sent the inputs themselves. They are chosen here,
         # out of the cond: inside a shard_map that does not check the
@@ -243,15 +250,20 @@ def _factored_sum(
     q_sums = _grouped_psums(own_qs, [wire.axis] * len(own_qs))
     sums, sent, new_state, finite = [], [], [], []
     for j, (x, split, part) in enumerate(zip(inputs, wire.splits, parts, strict=True)):
-        approx = jnp.einsum("lmr,lcr->lmc", ps[j], q_sums[j])
-        own = jnp.einsum("lmr,lcr->lmc", ps[j], own_qs[j])
-        if part is None:  # factored whole: this device's block of it
-            whole = _whole_shape(x, split)
-            sums.append(_own_block(approx.reshape(whole), x, split))
-            sent.append(_own_block(own.reshape(whole), x, split))
-        else:
-            sums.append(approx.reshape(x.shape))
-            sent.append(own.reshape(x.shape))
+
+        def block(product: jax.Array, x=x, split=split, part=part) -> jax.Array:
+            if part is None:  # factored whole: this device's block of it
+                return _own_block(product.reshape(_whole_shape(x, split)), x, split)
+            return product.reshape(x.shape)
+
+        # The sum made after the residual (see `CodecSum.sums`): a product
+        # the leaf's size, like this device's share.
+        sums.append(
+            lambda after, j=j, block=block: block(
+                jnp.einsum("lmr,lcr->lmc", ps[j], made_after(q_sums[j], after))
+            )
+        )
+        sent.append(block(jnp.einsum("lmr,lcr->lmc", ps[j], own_qs[j])))
         # Q whole again, the same on every device (a factor's blocks);
         # it holds every layer's, NaN where any block's input was.
         whole_q = _gathered(_gathered(q_sums[j], part, "columns", 1), part, "layers", 0)

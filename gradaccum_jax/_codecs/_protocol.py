@@ -58,7 +58,14 @@ class CodecSum(NamedTuple):
 
     Attributes:
       sums: per leaf, the estimate of the sum over the devices of their
-        inputs, float32, bitwise the same on every device of ``axis``.
+        inputs, float32, bitwise the same on every device of ``axis``; or
+        a function ``sum(after)`` that makes it, for a sum made from much
+        smaller parts (PowerSGD's ``P Q^T``). The caller calls it once it
+        has kept the error-feedback residual, with ``after`` that new
+        residual (None where none is kept), and the function makes the
+        sum from `made_after` its parts: XLA then makes the sum after the
+        residual, in buffers that ``sent`` held (made before, the sum,
+        ``sent`` and the residual's input are live at once).
       sent: per leaf, this device's input as the others received it (its
         share of ``sums``): the error-feedback residual is ``inputs -
         sent``. A codec whose rounding is unbiased and would not be helped
@@ -113,13 +120,23 @@ class Codec(NamedTuple):
 
 
 def checked_sum(
-    codec: Codec, inputs: list[jax.Array], state: Any, key: jax.Array, wire: Wire
+    codec: Codec,
+    inputs: list[jax.Array],
+    state: Any,
+    key: jax.Array,
+    wire: Wire,
+    deferred: bool = False,
 ) -> CodecSum:
     """``codec.sum(inputs, state, key, wire)``, refused with a ValueError
     naming the codec where it breaks the contract of `CodecSum`: a sum and
     a sent value per input, each shaped as its input, one bool scalar per
     input in ``finite``. (A user's codec that returned too few sums met a
-    bare IndexError; a flattened sum came back silently as the mean.)"""
+    bare IndexError; a flattened sum came back silently as the mean.)
+
+    A sum given as a function stays one with ``deferred`` (the caller
+    calls it after keeping the residual), else it is made here: arrays
+    alone leave a map over the devices or their blocks.
+    """
     result = codec.sum(inputs, state, key, wire)
     if not isinstance(result, CodecSum):
         raise ValueError(
@@ -135,6 +152,13 @@ def checked_sum(
                 "one per input, in the inputs' order."
             )
         for j, (value, x) in enumerate(zip(values, inputs, strict=True)):
+            if callable(value):
+                if field != "sums":
+                    raise ValueError(
+                        f"The codec {codec.name}: CodecSum.{field}[{j}] is a "
+                        "function; only a sum may be made later."
+                    )
+                value = jax.eval_shape(lambda value=value: value(None))
             expected = () if field == "finite" else np.shape(x)
             if np.shape(value) != expected:
                 raise ValueError(
@@ -144,7 +168,33 @@ def checked_sum(
                     "on this device) needs "
                     + ("a bool scalar." if field == "finite" else f"shape {expected}.")
                 )
-    return result
+    return result if deferred else made_now(result)
+
+
+def made_now(result: CodecSum) -> CodecSum:
+    """``result`` with every sum given as a function made now (not after
+    the residual, see `CodecSum.sums`): arrays alone leave a map over the
+    devices or a ``lax.cond``."""
+    return result._replace(
+        sums=[total(None) if callable(total) else total for total in result.sums]
+    )
+
+
+def made_after(x: jax.Array, after: jax.Array | None) -> jax.Array:
+    """``x``, the same floats, made by XLA after ``after`` (an array, or
+    None: ``x`` itself), for a sum made by a function (`CodecSum.sums`)."""
+    if after is None:
+        return x
+    return x * (1.0 + zero_from(after)).astype(x.dtype)
+
+
+def zero_from(tie: jax.Array) -> jax.Array:
+    """A float32 0 that XLA computes from ``tie`` (an array): it orders what
+    uses it after ``tie``, and keeps apart values that would be one.
+    ``min(tie != tie, 0)`` is 0 whatever ``tie`` holds (a NaN included),
+    but XLA does not fold it."""
+    first = tie.reshape(-1)[0]
+    return jnp.minimum((first != first).astype(jnp.float32), 0.0)
 
 
 def at_least(min_size: int) -> Callable[[tuple[int, ...]], bool]:
