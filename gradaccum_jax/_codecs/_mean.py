@@ -185,16 +185,7 @@ def reduce_with_codec(
     for i, result in exact_results.items():
         results[i] = result
 
-    # This device's input: its share of the result, plus what it did not
-    # send before.
-    inputs = [
-        _weights.weighted(share, leaves[i].astype(jnp.float32)) for i in compressed
-    ]
-    if config.keeps_residual:
-        inputs = [
-            x + residuals[i].reshape(x.shape)
-            for x, i in zip(inputs, compressed, strict=True)
-        ]
+    inputs = _inputs(config, leaves, residuals, compressed, share)
     wire = Wire(
         config.axis,
         num_devices,
@@ -249,6 +240,26 @@ def reduce_with_codec(
         new_state,
         jnp.where(has_weight, sq_excess, 0.0),
     )
+
+
+def _inputs(
+    config: Reduce,
+    leaves: list[jax.Array],
+    residuals: list[Any],
+    compressed: list[int],
+    share: jax.Array,
+) -> list[jax.Array]:
+    """This device's float32 input of each coded leaf (``compressed``: their
+    indices): its share of the result, plus what it did not send before."""
+    inputs = [
+        _weights.weighted(share, leaves[i].astype(jnp.float32)) for i in compressed
+    ]
+    if not config.keeps_residual:
+        return inputs
+    return [
+        x + residuals[i].reshape(x.shape)
+        for x, i in zip(inputs, compressed, strict=True)
+    ]
 
 
 # The residuals' rounding draws from a stream of its own, not the codec's.

@@ -182,7 +182,24 @@ def made_now(result: CodecSum) -> CodecSum:
 
 def made_after(x: jax.Array, after: jax.Array | None) -> jax.Array:
     """``x``, the same floats, made by XLA after ``after`` (an array, or
-    None: ``x`` itself), for a sum made by a function (`CodecSum.sums`)."""
+    None: ``x`` itself), for a sum made by a function (`CodecSum.sums`).
+
+    Example: a codec whose sum is the product of two gathered factors
+    returns ``lambda after: p @ made_after(q, after).T`` as its sum.
+
+    >>> import jax.numpy as jnp
+    >>> from gradaccum_jax.extend import made_after
+    >>> q, residual = jnp.array([1.0, -0.0, 2.0]), jnp.array([jnp.nan, 3.0])
+    >>> made_after(q, residual)  # a NaN in ``after`` changes nothing
+    Array([ 1., -0.,  2.], dtype=float32)
+
+    Args:
+      x: a floating array (a factor of the sum).
+      after: the array to make ``x`` after (the new residual), or None.
+
+    Returns:
+      ``x``'s values, bitwise, computed after ``after``.
+    """
     if after is None:
         return x
     return x * (1.0 + zero_from(after)).astype(x.dtype)

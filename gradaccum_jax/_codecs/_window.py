@@ -265,8 +265,7 @@ def reduce_terms(
     def local(leaves, key, arrays, codec_state):
         if stacked:
             leaves = [leaf[0] for leaf in leaves]
-        # Each device's residual row keeps its leading axis: updated in
-        # that shape, it is written in place (see `_error_feedback.fed_back`).
+        # Residual rows keep their leading axis (see `_error_feedback.fed_back`).
         rows = iter(arrays)
         device_slots = [
             slot if keeps_no_array(slot) else next(rows) for slot in term_slots
@@ -279,11 +278,7 @@ def reduce_terms(
             None,
             parts,
         )
-        new_arrays = [
-            r
-            for r, slot in zip(new.residual, term_slots, strict=True)
-            if not keeps_no_array(slot)
-        ]
+        new_arrays = [r for r in new.residual if not keeps_no_array(r)]
         new_codec = jax.tree.map(lambda leaf: leaf[None], new.codec)
         return sums, new.key, sq_excess, new_arrays, new_codec
 
