@@ -74,6 +74,7 @@ NOT_CONSTRUCTORS = {
     "state_shardings",  # its bad arguments: test below
     "stack_workers",
     "anchor_params",
+    "extend.made_after",  # a codec's helper on its own arrays, when traced
     # optax's own functions, re-exported with optax's signatures.
     "skip_not_finite",
     "skip_large_updates",

@@ -13,7 +13,7 @@ state's random counter. A codec only sums what it is given.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -79,7 +79,7 @@ class CodecSum(NamedTuple):
         ``wire.report_sq_excess`` and the codec knows it; else None.
     """
 
-    sums: list[jax.Array]
+    sums: Sequence[jax.Array | Callable[[jax.Array | None], jax.Array]]
     sent: list[jax.Array]
     finite: list[jax.Array]
     state: Any
