@@ -61,7 +61,8 @@ running mean, against the float32 residual: each device feeds a pmapped
 constant 0.3, 0.3 with random signs, Gaussian; seed 11), and the relative
 error of the running mean of the returned means, ``|sum_t m_t / T -
 mean| / |mean|``, is read at T = 50 and T = 800 (the larger over the two
-leaves), for each codec of `gradaccum_jax.codecs`.
+leaves), for each codec of `gradaccum_jax.codecs` (``--steps T ...`` reads
+it at other T, the ratio at the last; ``--codecs`` takes some of them).
 
 Run: ``python benchmarks/bench_codecs.py [bytes|formats|steps|select|residual]``
 (all by default; ``steps`` takes minutes: ``--layouts``, ``--rounds``,
@@ -405,9 +406,11 @@ RESIDUAL_STEPS = (50, 800)
 STEADY_SHAPES = {"w": (64, 128), "s": (3, 32, 48)}
 
 
-def residual_errors() -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
-    """Per codec, per residual dtype, per kind of input: the running mean's
-    relative error at `RESIDUAL_STEPS`."""
+def residual_errors(
+    steps: tuple[int, ...] = RESIDUAL_STEPS, only: tuple[str, ...] = ()
+) -> dict[str, dict[str, dict[str, tuple[float, ...]]]]:
+    """Per codec (those named in ``only``, else all), per residual dtype,
+    per kind of input: the running mean's relative error at ``steps``."""
     _devices.emulate(DEVICES)
     import jax
     import jax.numpy as jnp
@@ -434,6 +437,8 @@ def residual_errors() -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
     }
     table = {}
     for codec_name, codec in steady.items():
+        if only and codec_name not in only:
+            continue
         table[codec_name] = {}
         for dtype in (jnp.float32, jnp.bfloat16):
             tx = ga.compressed_average_across_devices(
@@ -445,7 +450,7 @@ def residual_errors() -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
                     mean, state = tx.update(x, state)
                     return state, mean
 
-                return jax.lax.scan(step, state, None, length=RESIDUAL_STEPS[-1])[1]
+                return jax.lax.scan(step, state, None, length=max(steps))[1]
 
             state = jax.tree.map(
                 lambda x: jnp.broadcast_to(x, (DEVICES, *x.shape)),
@@ -458,36 +463,34 @@ def residual_errors() -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
                 norm = np.linalg.norm(target[name])
                 errors[name] = [
                     np.linalg.norm(running[t - 1] / t - target[name]) / norm
-                    for t in RESIDUAL_STEPS
+                    for t in steps
                 ]
             kinds = dict.fromkeys(name.split()[0] for name in inputs)
             table[codec_name][jnp.dtype(dtype).name] = {
                 kind: tuple(
                     max(errors[f"{kind} {leaf}"][i] for leaf in STEADY_SHAPES)
-                    for i in range(len(RESIDUAL_STEPS))
+                    for i in range(len(steps))
                 )
                 for kind in kinds
             }
     return table
 
 
-def residual_table(table: dict) -> str:
+def residual_table(table: dict, steps: tuple[int, ...] = RESIDUAL_STEPS) -> str:
     """`residual_errors` as a markdown table, the bfloat16 / float32 ratio at
     the last T."""
-    first, last = RESIDUAL_STEPS
+    at = [f"T={t}" for t in steps]
     lines = [
-        f"| codec | input | float32 residual, T={first} | T={last} "
-        f"| bfloat16 residual, T={first} | T={last} | bfloat16 / float32 at T={last} |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"| codec | input | float32 residual, {' | '.join(at)} "
+        f"| bfloat16 residual, {' | '.join(at)} | bfloat16 / float32 at {at[-1]} |",
+        "|---|---|" + "---:|" * (2 * len(steps) + 1),
     ]
     for codec, by_dtype in table.items():
-        for kind, (f_early, f_late) in by_dtype["float32"].items():
-            b_early, b_late = by_dtype["bfloat16"][kind]
-            ratio = f"{b_late / f_late:.2f}" if f_late else "-"
-            lines.append(
-                f"| {codec} | {kind} | {f_early:.2e} | {f_late:.2e} "
-                f"| {b_early:.2e} | {b_late:.2e} | {ratio} |"
-            )
+        for kind, single in by_dtype["float32"].items():
+            half = by_dtype["bfloat16"][kind]
+            ratio = f"{half[-1] / single[-1]:.2f}" if single[-1] else "-"
+            errors = " | ".join(f"{e:.2e}" for e in (*single, *half))
+            lines.append(f"| {codec} | {kind} | {errors} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -514,6 +517,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--off-sync", type=int, default=3, help="steps: calls without sync a round"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        default=list(RESIDUAL_STEPS),
+        help="residual: the T at which the running mean's error is read",
+    )
+    parser.add_argument(
+        "--codecs", nargs="*", default=[], help="residual: some codecs (default: all)"
     )
     args = parser.parse_args()
     if args.part in ("formats", "all"):
@@ -555,7 +568,10 @@ def main() -> None:
 
     if args.part in ("residual", "all"):
         print("running mean's relative error, float32 and bfloat16 residuals:")
-        print(residual_table(residual_errors()))
+        steps = tuple(sorted(args.steps))
+        if steps[0] < 1:
+            parser.error(f"--steps must be at least 1, got {steps[0]}")
+        print(residual_table(residual_errors(steps, tuple(args.codecs)), steps))
     if args.part in ("select", "all"):
         print("half of each of 1,158 chunks of 4096 (4.7M float32), median ms:")
         for name, ms in selection_times().items():
