@@ -1410,28 +1410,29 @@ def test_topk_keeps_its_residual_without_a_float_copy_of_the_leaf(bits, collecti
 
 
 # A codec window's temporaries against the float32 window's, compiled on
-# `data` 4 x `model` 2 (see the test): (codec, at most, measured, before).
+# `data` 4 x `model` 2 (see the test): (codec, at most with float32
+# params, with bfloat16 params); measured 1.0 to 1.054 (1.08 to 1.45
+# before) and 1.15 to 1.61.
 WINDOW_MEMORY = {
-    "topk": (lambda: codecs.topk(0.01), 1.05, 1.0, 1.31),
-    "topk-bfloat16-residual": (lambda: codecs.topk(0.01), 1.05, 1.0, 1.08),
+    "topk": (lambda: codecs.topk(0.01), 1.05, 1.5),
+    "topk-bfloat16-residual": (lambda: codecs.topk(0.01), 1.05, 1.5),
     "topk-reduce-scatter": (
         lambda: codecs.topk(0.01, collective="reduce_scatter"),
         1.1,
-        1.05,
-        1.45,
+        1.65,
     ),
-    "e2m1": (lambda: codecs.quantized(bits=4), 1.05, 1.0, 1.45),
-    "int8": (lambda: codecs.quantized(bits=8), 1.05, 1.0, 1.0),
-    "powersgd": (lambda: codecs.powersgd(4), 1.05, 1.0, 1.2),
+    "e2m1": (lambda: codecs.quantized(bits=4), 1.05, 1.2),
+    "int8": (lambda: codecs.quantized(bits=8), 1.05, 1.3),
+    "powersgd": (lambda: codecs.powersgd(4), 1.05, 1.2),
 }
 
 
 @functools.cache
-def _window_step_temporaries(name: str | None) -> int:
-    """The temporaries of a donated adam step on `data` 4 x `model` 2 whose
-    window of 4 micro-batches is reduced once, by ``name``'s codec
-    (`WINDOW_MEMORY`) or in float32 (None): tensor-parallel float32 params
-    of four scanned layers, 32 MiB of them a device."""
+def _window_step_memory(name: str | None, dtype: str = "float32"):
+    """The memory analysis of a donated adam step on `data` 4 x `model` 2
+    whose window of 4 micro-batches is reduced once, by ``name``'s codec
+    (`WINDOW_MEMORY`) or in float32 (None): tensor-parallel params of four
+    scanned layers, 32 MiB of them a device in float32."""
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     # Four layers, scanned as a transformer's are (PowerSGD factors each
     # layer's matrix on its own).
@@ -1465,22 +1466,27 @@ def _window_step_temporaries(name: str | None) -> int:
 
     with jax.set_mesh(mesh):
         params = {
-            key: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=specs[key])
+            key: jax.ShapeDtypeStruct(shape, dtype, sharding=specs[key])
             for key, shape in shapes.items()
         }
-        batch = jax.ShapeDtypeStruct((8, 1024), jnp.float32, sharding=P("data"))
+        batch = jax.ShapeDtypeStruct((8, 1024), dtype, sharding=P("data"))
         state = jax.eval_shape(tx.init, params)
         compiled = (
             jax.jit(step, donate_argnums=(0, 1)).lower(params, state, batch).compile()
         )
-    return compiled.memory_analysis().temp_size_in_bytes
+    return compiled.memory_analysis()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", WINDOW_MEMORY)
-def test_a_codec_window_needs_about_the_float32_windows_temporaries(name):
+def test_a_codec_window_needs_about_the_float32_windows_memory(name, dtype):
     """A window reduced by a codec needs the temporaries of the same window
-    reduced in float32 (`WINDOW_MEMORY`: 1.0x to 1.05x measured; 1.08x to
-    1.45x before). What made the difference:
+    reduced in float32 (`WINDOW_MEMORY`), and in all what that window
+    holds plus the residuals in the arguments: every output is written
+    over its donated argument. With float32 params 1.0x to 1.05x the
+    temporaries (1.08x to 1.45x before); with bfloat16 params 1.15x to
+    1.61x, where the window's float32 terms cannot hold the bfloat16
+    updates and the decoded sums come on top. What made the difference:
 
     - each device's residual row updated where it lies (read through a
       reshape, XLA computed it aside and copied it over: a buffer of each
@@ -1493,10 +1499,24 @@ def test_a_codec_window_needs_about_the_float32_windows_temporaries(name):
     - PowerSGD's ``P Q^T`` made after the residual has read what was sent
       (`CodecSum.sums` as a function), in the buffer that held it.
     """
-    bound = WINDOW_MEMORY[name][1]
-    float_window = _window_step_temporaries(None)
-    coded = _window_step_temporaries(name)
-    assert coded <= bound * float_window, (coded / float_window, bound)
+    bound = WINDOW_MEMORY[name][1 if dtype == "float32" else 2]
+    plain = _window_step_memory(None, dtype)
+    coded = _window_step_memory(name, dtype)
+
+    def total(memory):
+        return (
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes
+        )
+
+    ratio = coded.temp_size_in_bytes / plain.temp_size_in_bytes
+    assert ratio <= bound, (ratio, bound)
+    residuals = coded.argument_size_in_bytes - plain.argument_size_in_bytes
+    assert residuals > 0
+    grown = total(coded) - total(plain) - residuals
+    assert grown <= (bound - 1) * plain.temp_size_in_bytes, (grown, residuals)
 
 
 @pytest.mark.parametrize(

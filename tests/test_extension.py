@@ -512,21 +512,29 @@ def test_a_codec_may_make_its_sums_after_the_residual(error_feedback):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("where", ["window", "split-blocks"])
+@pytest.mark.parametrize("where", ["window", "window-auto", "split-blocks"])
 def test_a_sum_made_later_on_a_2d_mesh(where):
     """On `data` x `model` with the leaf split over `model`. A window's map
-    is manual over every axis: the sum is made from each device's residual
-    row (its leading device axis kept, so that XLA updates it in place). A
+    is manual over every axis (on Explicit axes, and on Auto ones where
+    `init` saw the params placed): the sum is made from each device's
+    residual row, its half over `model` (its leading device axis kept, so
+    that XLA updates it in place). A
     mean in a ``shard_map`` over `data` alone runs the codec in a map over
     the leaf's blocks, which only arrays leave: the sum is made there,
     given None. The results are the arrays' bitwise."""
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    kind = AxisType.Auto if where == "window-auto" else AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind,) * 2)
     told = []
     runs = []
     for codec in (scaled_sign_codec(), later_sign_codec(told)):
         with jax.set_mesh(mesh):
-            if where == "window":
-                params = _params(tensor_parallel=True)
+            if where.startswith("window"):
+                if kind == AxisType.Auto:  # placed: `init` sees the split
+                    params = jax.device_put(
+                        _params(), {"w": P(None, "model"), "b": P("model")}
+                    )
+                else:
+                    params = _params(tensor_parallel=True)
                 opt = ga.MultiSteps(
                     optax.sgd(1.0),
                     K,
@@ -562,7 +570,7 @@ def test_a_sum_made_later_on_a_2d_mesh(where):
         runs.append(updates)
     row = (1, 8, 16)  # one device's residual row of "w", its half over `model`
     # (None: the contract's check of the shape; the step traced twice.)
-    assert set(told) == ({None, row} if where == "window" else {None}), told
+    assert set(told) == ({None, row} if where.startswith("window") else {None}), told
     for got, want in zip(*map(jax.tree.leaves, runs), strict=True):
         np.testing.assert_array_equal(got, want)
 
