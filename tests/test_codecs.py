@@ -143,10 +143,10 @@ def test_wire_bytes_from_the_compiled_hlo(codec, coded_bytes, fraction):
 # --- error feedback -------------------------------------------------------
 
 
-def _running_mean_errors_by_leaf(tx, steps, grads):
+def _running_mean_errors_by_leaf(tx, steps, grads, window=1):
     """Per leaf of ``grads``, the relative error of the running mean of the
     returned means after each of ``steps`` (a tuple), the inputs the same
-    at every step."""
+    at every step: the largest over the ``window`` steps up to each."""
 
     def run(g, state):
         def step(state, _):
@@ -164,7 +164,11 @@ def _running_mean_errors_by_leaf(tx, steps, grads):
         cumulative = np.cumsum(series, axis=0)
         errors[name] = np.array(
             [
-                np.linalg.norm(cumulative[t - 1] / t - target) / np.linalg.norm(target)
+                max(
+                    np.linalg.norm(cumulative[u - 1] / u - target)
+                    / np.linalg.norm(target)
+                    for u in range(max(t - window, 0) + 1, t + 1)
+                )
                 for t in steps
             ]
         )
@@ -284,18 +288,61 @@ def test_error_feedback_sends_every_steady_input(codec):
 )
 def test_a_bfloat16_residual_keeps_the_running_mean_within_twice_float32s(codec):
     """``residual_dtype=jnp.bfloat16``, rounded stochastically: at T = 800
-    the running mean's error is at most twice the float32 residual's, or
-    within 5e-6, where int8 sends almost everything (its float32 error is
-    3e-7 to 8e-7 on one-magnitude inputs, bfloat16's 8e-7 to 2.5e-6)."""
+    the running mean's error is at most twice the float32 residual's (the
+    largest of each over the ten steps up to 800: int8's float32 residual
+    on one-magnitude inputs is zero every fifth step, the next test, and
+    at 800 alone the bfloat16 one's error is 3x its; at the four steps
+    between they are equal). Measured 0.89x to 1.02x."""
     errors = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         tx = ga.compressed_average_across_devices(
             "i", codec, seed=1, residual_dtype=dtype
         )
-        errors[dtype] = _running_mean_errors_by_leaf(tx, (50, 800), _steady_inputs())
-    for name, (_, float32_late) in errors[jnp.float32].items():
-        late = errors[jnp.bfloat16][name][1]
-        assert late <= max(2 * float32_late, 5e-6), (name, late, float32_late)
+        errors[dtype] = _running_mean_errors_by_leaf(
+            tx, (800,), _steady_inputs(), window=10
+        )
+    for name, (float32_late,) in errors[jnp.float32].items():
+        (late,) = errors[jnp.bfloat16][name]
+        assert late <= 2 * float32_late or late == float32_late == 0, (
+            name,
+            late,
+            float32_late,
+        )
+
+
+def test_int8s_float32_residual_on_a_steady_input_repeats_every_fifth_step():
+    """Why the test above reads ten steps: 0.3 on 8 devices is a share of
+    0.0375, 76.8 steps of int8's grid (2**-11 a step), so the residual of
+    unbiased rounding is ``f - 1`` or ``f`` of a step, with ``f`` the
+    fraction 0.8, 0.6, 0.4, 0.2, 0 of 0.8 times the step count: zero (to
+    float32's resolution of the share) every fifth step, and the running
+    mean exact there."""
+    tx = ga.compressed_average_across_devices("i", codecs.quantized(bits=8), seed=1)
+    grads = {"w": np.full((N, *SHAPES["w"]), 0.3, np.float32)}
+
+    def run(g, state):
+        def step(state, _):
+            state = tx.update(g, state)[1]
+            return state, state.residual["w"]
+
+        return jax.lax.scan(step, state, None, length=10)[1]
+
+    params = _params({"w": SHAPES["w"]})
+    residuals = np.asarray(
+        jax.pmap(run, axis_name="i")(grads, _replicate(tx.init(params))), np.float64
+    )
+    in_steps = residuals / 2.0**-11  # devices x steps x leaf
+    for t in range(10):
+        fraction = round(0.8 * (t + 1) % 1, 6) % 1
+        up = np.isclose(in_steps[:, t], fraction - 1, atol=1e-3)
+        down = np.isclose(in_steps[:, t], fraction, atol=1e-3)
+        assert np.all(up | down), t
+        # Rounded up as often as the fraction says (8 x 8192 draws): at
+        # the fifth step almost never (the share is 76.8 steps only to
+        # float32's resolution), so the devices' residuals are all but 0.
+        assert np.mean(up) == pytest.approx(fraction, abs=0.01), t
+        if fraction == 0:
+            assert abs(np.mean(in_steps[:, t])) < 1e-3, t
 
 
 def test_a_bfloat16_residual_rounds_without_bias():
