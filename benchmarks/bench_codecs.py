@@ -472,9 +472,9 @@ def residual_errors(
             for name, series in means.items():
                 running = np.cumsum(np.asarray(series[0], np.float64), axis=0)
                 counts = np.arange(1, len(running) + 1)
-                means = running / counts.reshape(-1, *[1] * target[name].ndim)
+                averages = running / counts.reshape(-1, *[1] * target[name].ndim)
                 along = tuple(range(1, running.ndim))
-                error = np.sqrt(np.sum((means - target[name]) ** 2, along))
+                error = np.sqrt(np.sum((averages - target[name]) ** 2, along))
                 error /= np.linalg.norm(target[name])
                 errors[name] = [
                     *(error[max(t - RESIDUAL_WINDOW, 0) : t].max() for t in steps),

@@ -316,7 +316,7 @@ def test_int8s_float32_residual_on_a_steady_input_repeats_every_fifth_step():
     unbiased rounding is ``f - 1`` or ``f`` of a step, with ``f`` the
     fraction 0.8, 0.6, 0.4, 0.2, 0 of 0.8 times the step count: zero (to
     float32's resolution of the share) every fifth step, and the running
-    mean exact there."""
+    mean all but exact there."""
     tx = ga.compressed_average_across_devices("i", codecs.quantized(bits=8), seed=1)
     grads = {"w": np.full((N, *SHAPES["w"]), 0.3, np.float32)}
 
