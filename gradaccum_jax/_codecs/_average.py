@@ -82,9 +82,9 @@ def compressed_average_across_devices(
       error_feedback: keep each device's unsent part for the next step.
       residual_dtype: ``jnp.float32`` or ``jnp.bfloat16``: the residual's
         dtype. bfloat16 halves its bytes (a float32 copy of every coded
-        leaf, on each device); each step rounds it, which the next step
-        sends with the rest (the codecs guide measures the running mean's
-        error).
+        leaf, on each device); each step rounds it stochastically, so the
+        roundings are unbiased (the low-communication guide measures the
+        running mean's error against float32's).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
